@@ -1,0 +1,381 @@
+"""The exchange's HTTP API (FastAPI). Routes are thin: parse, authenticate, call the service.
+
+Bodies may be JSON or msgpack (`Content-Type: application/msgpack`); responses follow the
+`Accept` header. Every error is an ErrorBody with a typed code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..contracts import (
+    AuditPage,
+    EnqueueReceipt,
+    ErrorBody,
+    ErrorCode,
+    FailureReport,
+    FetchedGroup,
+    FetchResult,
+    GroupDecision,
+    HeartbeatReply,
+    LeaseGrant,
+    PolicyManifest,
+    PoolStatus,
+    Record,
+    ReloadAck,
+    ReloadStatus,
+    ReportReceipt,
+    RolloutJob,
+    SampleGroup,
+    SubmissionReceipt,
+    Tier,
+    TrainerFeedback,
+    WorkerHeartbeat,
+    WorkerManifest,
+    WorkerRegistration,
+    WorkerSummary,
+)
+from ..contracts.wire import JSON, MSGPACK, embed, packb, unpackb
+from .codec import parse, respond, wants_msgpack
+from .errors import ExchangeFault
+from .service import Exchange
+from .settings import ExchangeSettings
+from .store import FetchFilter, StoredGroup
+
+log = logging.getLogger(__name__)
+
+
+class JobBatch(Record):
+    """Jobs to enqueue in one call; all or none are stored."""
+
+    jobs: list[RolloutJob] = Field(min_length=1, max_length=10_000)
+
+
+class EnqueueResult(Record):
+    receipts: list[EnqueueReceipt]
+
+
+class GroupReport(Record):
+    """A trainer's decision on a group and its feedback on the worker; either may be omitted."""
+
+    decision: GroupDecision | None = None
+    feedback: TrainerFeedback | None = None
+
+
+class JobStateAnswer(Record):
+    lease_id: str
+    job_state: str = Field(description="queued (will be retried), failed or expired.")
+
+
+class Health(Record):
+    status: str
+    version: str
+    time: float
+
+
+_ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
+    (400, "Malformed body"), (401, "Missing or invalid token"), (403, "Not allowed for this token"),
+    (404, "Not found"), (409, "Conflict"), (413, "Payload too large"), (415, "Unsupported media type"),
+    (422, "Invalid or rejected"),
+)}
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {JSON: {"schema": ref}, MSGPACK: {"schema": ref}}}}
+
+
+_BODY_MODELS: list[type[BaseModel]] = [WorkerManifest, WorkerHeartbeat, FailureReport, SampleGroup,
+                                       ReloadAck, PolicyManifest, JobBatch, GroupReport]
+
+
+class _Timing:
+    """Pure ASGI middleware: request counts and latency per route template."""
+
+    def __init__(self, app, exchange: Exchange):
+        self.app = app
+        self.exchange = exchange
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_and_watch(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            metrics = self.exchange.metrics
+            metrics.latency.labels(path, scope["method"]).observe(time.perf_counter() - start)
+            metrics.requests.labels(path, scope["method"], str(status[0])).inc()
+
+
+def _fetched(stored: StoredGroup, active: int | None, *, as_msgpack: bool) -> dict[str, Any] | FetchedGroup:
+    fields = {
+        "tier": stored.tier, "status": stored.status,
+        "received_at": _utc(stored.received_at), "lag_at_arrival": stored.lag_at_arrival,
+        "current_lag": max(0, (active or 0) - stored.policy_version), "served_count": stored.served_count,
+    }
+    if as_msgpack:
+        # Stored bytes go out as they came in: no decode, no re-encode on the hot path.
+        return {"group": embed(stored.payload), **{k: v.value if isinstance(v, Tier) else v for k, v in fields.items()}}
+    return FetchedGroup(group=SampleGroup.model_validate(unpackb(stored.payload)), **fields)
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)
+
+
+def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> FastAPI:
+    """The ASGI app of one exchange. The store opens when the app starts (lifespan)."""
+    exchange = exchange or Exchange(settings)
+    limit = settings.max_body_bytes
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await exchange.start()
+        try:
+            yield
+        finally:
+            await exchange.stop()
+
+    app = FastAPI(
+        title="rollmarket exchange",
+        version=__version__,
+        lifespan=lifespan,
+        description="Rollout workers lease jobs and submit sample groups with full provenance; "
+        "trainers publish policies, enqueue jobs and fetch gated groups. Bodies are JSON or "
+        "msgpack (application/msgpack, arrays as raw little-endian bytes).",
+    )
+    app.state.exchange = exchange
+    app.add_middleware(_Timing, exchange=exchange)
+
+    # -- errors ---------------------------------------------------------------------------
+    @app.exception_handler(ExchangeFault)
+    async def on_fault(request: Request, fault: ExchangeFault) -> Response:
+        headers = {"WWW-Authenticate": "Bearer"} if fault.status == 401 else None
+        return JSONResponse(fault.body().model_dump(mode="json"), status_code=fault.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in exc.errors()[:20]]
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        fault = ExchangeFault(ErrorCode.invalid_request, f"{'.'.join(first['loc'])}: {first['msg']}",
+                              details={"errors": errors})
+        return await on_fault(request, fault)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
+        body = ErrorBody.model_validate({"error": {"code": code, "message": str(exc.detail)}})
+        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return await on_fault(request, ExchangeFault(ErrorCode.internal, f"internal error: {type(exc).__name__}"))
+
+    def authz(request: Request) -> str | None:
+        return request.headers.get("authorization")
+
+    # -- worker side ----------------------------------------------------------------------
+    @app.post("/v1/workers/register", tags=["workers"], openapi_extra=_body(WorkerManifest),
+              responses={201: {"model": WorkerRegistration}, **_ERRORS}, status_code=201)
+    async def register_worker(request: Request) -> Response:
+        """Register a worker; the answer carries its bearer token (shown once, stored hashed)."""
+        exchange.check_registration(authz(request))
+        manifest, _, _ = await parse(request, WorkerManifest, limit)
+        return respond(request, await exchange.register(manifest), status=201)
+
+    @app.post("/v1/workers/heartbeat", tags=["workers"], openapi_extra=_body(WorkerHeartbeat),
+              responses={200: {"model": HeartbeatReply}, **_ERRORS})
+    async def heartbeat(request: Request) -> Response:
+        """Say the worker is alive; learn which policy to load and which leases no longer stand."""
+        worker_id = exchange.worker_of(authz(request))
+        beat, _, _ = await parse(request, WorkerHeartbeat, limit)
+        return respond(request, await exchange.heartbeat(worker_id, beat))
+
+    @app.post("/v1/leases", tags=["workers"], responses={200: {"model": LeaseGrant}, **_ERRORS})
+    async def lease(request: Request, wait_s: float = Query(0.0, ge=0, description="Long-poll for work up to this many seconds.")) -> Response:
+        """Lease one job that fits this worker, or learn why there is none."""
+        worker_id = exchange.worker_of(authz(request))
+        return respond(request, await exchange.lease(worker_id, wait_s))
+
+    @app.post("/v1/leases/{lease_id}/fail", tags=["workers"], openapi_extra=_body(FailureReport),
+              responses={200: {"model": JobStateAnswer}, **_ERRORS})
+    async def fail_lease(request: Request, lease_id: str) -> Response:
+        """Give a lease back because the job could not be done; the job is re-queued or failed."""
+        worker_id = exchange.worker_of(authz(request))
+        report, _, _ = await parse(request, FailureReport, limit)
+        state = await exchange.fail(worker_id, lease_id, report)
+        return respond(request, JobStateAnswer(lease_id=lease_id, job_state=state))
+
+    @app.post("/v1/groups", tags=["workers"], openapi_extra=_body(SampleGroup),
+              responses={200: {"model": SubmissionReceipt}, **_ERRORS})
+    async def submit_group(request: Request) -> Response:
+        """Submit the group for a lease. Idempotent per lease: the same group twice gets the same receipt."""
+        worker_id = exchange.worker_of(authz(request))
+        group, body, kind = await parse(request, SampleGroup, limit)
+        receipt = await exchange.submit(worker_id, group, body if kind == MSGPACK else None)
+        return respond(request, receipt)
+
+    @app.post("/v1/reload-acks", tags=["workers"], openapi_extra=_body(ReloadAck),
+              responses={200: {"model": ReloadStatus}, **_ERRORS})
+    async def ack_reload(request: Request) -> Response:
+        """Confirm a policy version is loaded; a digest that contradicts the manifest is a 409 violation."""
+        worker_id = exchange.worker_of(authz(request))
+        ack, _, _ = await parse(request, ReloadAck, limit)
+        return respond(request, await exchange.ack_reload(worker_id, ack))
+
+    # -- trainer side ---------------------------------------------------------------------
+    @app.post("/v1/policies", tags=["trainer"], openapi_extra=_body(PolicyManifest),
+              responses={200: {"model": PoolStatus}, **_ERRORS})
+    async def publish_policy(request: Request, quorum: int | None = Query(None, ge=1, description="Acks needed to activate; default from settings.")) -> Response:
+        """Publish a new policy version; it becomes active once its reload quorum acks it."""
+        exchange.require_trainer(authz(request))
+        manifest, _, _ = await parse(request, PolicyManifest, limit)
+        return respond(request, await exchange.publish(manifest, quorum))
+
+    @app.get("/v1/policies", tags=["trainer"], responses={200: {"model": list[PolicyManifest]}, **_ERRORS})
+    async def list_policies(request: Request) -> Response:
+        """Every published policy manifest, oldest first."""
+        exchange.require_trainer(authz(request))
+        return respond(request, [p.model_dump(mode="json") for p in await exchange.policies()])
+
+    @app.post("/v1/jobs", tags=["trainer"], openapi_extra=_body(JobBatch),
+              responses={200: {"model": EnqueueResult}, **_ERRORS})
+    async def enqueue_jobs(request: Request) -> Response:
+        """Enqueue jobs. Idempotent per idempotency_key; a different job under a used key is a 409."""
+        exchange.require_trainer(authz(request))
+        batch, _, _ = await parse(request, JobBatch, limit)
+        return respond(request, EnqueueResult(receipts=await exchange.enqueue(batch.jobs)))
+
+    @app.get("/v1/jobs", tags=["trainer"], responses={200: {"model": list[Any]}, **_ERRORS})
+    async def list_jobs(request: Request, state: str | None = Query(None, description="queued, leased, done, failed or expired."),
+                        limit: int = Query(100, ge=1, le=10_000)) -> Response:
+        """Jobs with their state and attempts."""
+        exchange.require_trainer(authz(request))
+        jobs = await exchange.store.jobs(state, limit)
+        return respond(request, [j.model_dump(mode="json") for j in jobs])
+
+    @app.get("/v1/groups", tags=["trainer"], responses={200: {"model": FetchResult}, **_ERRORS})
+    async def fetch_groups(
+        request: Request,
+        tier: Tier = Query(Tier.fresh, description="fresh, replay or quarantine; the last two only when asked."),
+        policy_version: int | None = Query(None, ge=0, description="Only groups from this version."),
+        max_staleness: int | None = Query(None, ge=0, description="Only groups at most this many versions behind the active one."),
+        precision_class: str | None = Query(None, description="Only groups rolled out at this precision."),
+        limit: int = Query(16, ge=1, le=1024, description="Most groups returned."),
+        include_served: bool = Query(False, description="Also return groups already served to this trainer."),
+        newest_first: bool = Query(False, description="Newest arrivals first instead of oldest."),
+        trainer_id: str | None = Query(None, description="Which trainer asks (or the X-Trainer-Id header)."),
+    ) -> Response:
+        """Fetch stored groups that fit the filters; each serving is counted per trainer."""
+        exchange.require_trainer(authz(request))
+        who = trainer_id or request.headers.get("x-trainer-id") or "default"
+        batch = await exchange.fetch(FetchFilter(
+            trainer_id=who, tier=tier, policy_version=policy_version, max_staleness=max_staleness,
+            precision_class=precision_class, limit=limit, include_served=include_served,
+            newest_first=newest_first,
+        ))
+        as_msgpack = wants_msgpack(request)
+        groups = [_fetched(g, batch.active_version, as_msgpack=as_msgpack) for g in batch.groups]
+        if as_msgpack:
+            body = {"groups": groups, "active_version": batch.active_version, "remaining": batch.remaining}
+            return Response(packb(body), media_type=MSGPACK)
+        return respond(request, FetchResult(groups=groups, active_version=batch.active_version,
+                                            remaining=batch.remaining))
+
+    @app.get("/v1/groups/{group_id}", tags=["trainer"], responses={200: {"model": FetchedGroup}, **_ERRORS})
+    async def get_group(request: Request, group_id: str) -> Response:
+        """One stored group by id, for inspection; not counted as served."""
+        exchange.require_trainer(authz(request))
+        stored = await exchange.group(group_id)
+        pool = await exchange.pool()
+        as_msgpack = wants_msgpack(request)
+        fetched = _fetched(stored, pool.active_version, as_msgpack=as_msgpack)
+        if as_msgpack:
+            return Response(packb(fetched), media_type=MSGPACK)
+        return respond(request, fetched)
+
+    @app.post("/v1/groups/{group_id}/report", tags=["trainer"], openapi_extra=_body(GroupReport),
+              responses={200: {"model": ReportReceipt}, **_ERRORS})
+    async def report_group(request: Request, group_id: str) -> Response:
+        """Record a trainer's decision on a group (moving it between tiers) and its feedback."""
+        exchange.require_trainer(authz(request))
+        report, _, _ = await parse(request, GroupReport, limit)
+        trainer_id = (report.feedback.trainer_id if report.feedback else None) or \
+            request.headers.get("x-trainer-id") or "default"
+        return respond(request, await exchange.report(trainer_id, group_id, report.decision, report.feedback))
+
+    @app.get("/v1/pool", tags=["trainer"], responses={200: {"model": PoolStatus}, **_ERRORS})
+    async def pool_status(request: Request) -> Response:
+        """Active and published versions, reload quorum, workers, and job/lease/group counts."""
+        exchange.require_trainer(authz(request))
+        return respond(request, await exchange.pool())
+
+    @app.get("/v1/workers", tags=["trainer"], responses={200: {"model": list[WorkerSummary]}, **_ERRORS})
+    async def list_workers(request: Request) -> Response:
+        """Every registered worker with its status, alignment and feedback quality."""
+        exchange.require_trainer(authz(request))
+        return respond(request, [w.model_dump(mode="json") for w in await exchange.workers()])
+
+    @app.get("/v1/audit", tags=["trainer"], responses={200: {"model": AuditPage}, **_ERRORS})
+    async def audit(
+        request: Request,
+        since_seq: int = Query(0, ge=0, description="Return events after this sequence number."),
+        kind: str | None = Query(None, description="Event kind, or a prefix ending in '*' such as 'lease.*'."),
+        subject: str | None = Query(None, description="Only events about this id."),
+        limit: int = Query(500, ge=1, le=10_000),
+    ) -> Response:
+        """The append-only audit log of every state change."""
+        exchange.require_trainer(authz(request))
+        return respond(request, await exchange.audit(since_seq, kind, subject, limit))
+
+    # -- operations -----------------------------------------------------------------------
+    @app.get("/healthz", tags=["ops"], response_model=Health)
+    async def healthz() -> Health:
+        """Liveness: the process answers and its store is open."""
+        return Health(status="ok", version=__version__, time=time.time())
+
+    @app.get("/metrics", tags=["ops"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text exposition (docs/metrics.md lists every metric)."""
+        return Response(await exchange.render_metrics(), media_type="text/plain; version=0.0.4")
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, model_schema in defs.get("$defs", {}).items():
+            schema["components"]["schemas"].setdefault(name, model_schema)
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,252 @@
+"""The exchange's behaviour, between HTTP and the store: auth, validation, long polls, reaping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from ..contracts import (
+    AuditPage,
+    EnqueueReceipt,
+    ErrorCode,
+    FailureReport,
+    GroupDecision,
+    HeartbeatReply,
+    LeaseGrant,
+    NoLeaseReason,
+    PolicyManifest,
+    PoolStatus,
+    ReloadAck,
+    ReloadStatus,
+    ReportReceipt,
+    RolloutJob,
+    SampleGroup,
+    SubmissionReceipt,
+    TrainerFeedback,
+    WorkerHeartbeat,
+    WorkerManifest,
+    WorkerRegistration,
+    WorkerSummary,
+)
+from ..contracts.wire import packb
+from ..gate import check_group, load_public_key, reasons_of
+from . import auth
+from .errors import ExchangeFault
+from .metrics import ExchangeMetrics
+from .settings import ExchangeSettings
+from .store import FetchBatch, FetchFilter, ReapResult, Store, StoredGroup
+from .stores.sqlite import SqliteStore
+
+log = logging.getLogger(__name__)
+
+_WAIT_FOR_WORK = {NoLeaseReason.queue_empty, NoLeaseReason.no_matching_jobs, NoLeaseReason.deferred,
+                  NoLeaseReason.no_policy}
+
+
+class Exchange:
+    """One exchange process. `start()` opens the store and starts the reaper."""
+
+    def __init__(self, settings: ExchangeSettings, store: Store | None = None):
+        self.settings = settings
+        self.store = store or SqliteStore(settings.db, settings)
+        self.metrics = ExchangeMetrics()
+        self._token_hashes: dict[str, str] = {}
+        self._work = asyncio.Event()
+        self._reaper: asyncio.Task | None = None
+        self.store.on_batch = self.metrics.write_batch.observe
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._work = asyncio.Event()
+        await self.store.open(self.settings.public_dict(), time.time())
+        self._token_hashes = await self.store.worker_token_hashes()
+        await self.reap()  # leases that expired while we were down are re-queued at once
+        self._reaper = asyncio.create_task(self._reap_forever(), name="rollmarket-reaper")
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        await self.store.close()
+
+    def _notify_work(self) -> None:
+        self._work.set()
+        self._work = asyncio.Event()
+
+    async def reap(self) -> ReapResult:
+        result = await self.store.reap(time.time())
+        for _ in result.expired_leases:
+            self.metrics.lease_endings.labels("expired").inc()
+        for _ in result.abandoned_leases:
+            self.metrics.lease_endings.labels("abandoned").inc()
+        if result.changed or result.requeued_jobs:
+            self._notify_work()
+        return result
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval_s)
+            try:
+                await self.reap()
+            except Exception:  # the reaper must outlive one bad sweep
+                log.exception("reaper sweep failed")
+
+    # -- auth -----------------------------------------------------------------------------
+    def worker_of(self, authorization: str | None) -> str:
+        worker_id = auth.worker_from_token(auth.bearer(authorization), self._token_hashes)
+        if worker_id is None:
+            raise auth.unauthorized("a worker bearer token is required")
+        return worker_id
+
+    def require_trainer(self, authorization: str | None) -> None:
+        token = auth.bearer(authorization)
+        if auth.is_trainer(token, self.settings.trainer_token):
+            return
+        if auth.worker_from_token(token, self._token_hashes) is not None:
+            raise auth.forbidden("this endpoint is for trainers; a worker token cannot use it")
+        raise auth.unauthorized("the trainer bearer token is required")
+
+    def check_registration(self, authorization: str | None) -> None:
+        required = self.settings.registration_token
+        if required is None:
+            return
+        if not auth.is_trainer(auth.bearer(authorization), required):
+            raise auth.unauthorized("registration requires the registration token")
+
+    @staticmethod
+    def _same_worker(worker_id: str, claimed: str, what: str) -> None:
+        if claimed != worker_id:
+            raise auth.forbidden(f"{what} names worker {claimed}, but the token is {worker_id}'s")
+
+    # -- worker side ----------------------------------------------------------------------
+    async def register(self, manifest: WorkerManifest) -> WorkerRegistration:
+        if manifest.public_key is not None:
+            try:
+                load_public_key(manifest.public_key)
+            except ValueError as exc:
+                raise ExchangeFault(ErrorCode.invalid_request, str(exc)) from None
+        token, token_hash = auth.new_worker_token(manifest.worker_id)
+        await self.store.register_worker(manifest, token_hash, time.time())
+        self._token_hashes[manifest.worker_id] = token_hash
+        return WorkerRegistration(
+            worker_id=manifest.worker_id, token=token, heartbeat_ttl_s=self.settings.heartbeat_ttl_s,
+            lease_ttl_s=self.settings.lease_ttl_s, policy=await self.store.latest_policy(),
+        )
+
+    async def heartbeat(self, worker_id: str, beat: WorkerHeartbeat) -> HeartbeatReply:
+        self._same_worker(worker_id, beat.worker_id, "the heartbeat")
+        return await self.store.heartbeat(beat, time.time())
+
+    async def lease(self, worker_id: str, wait_s: float = 0.0) -> LeaseGrant:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(wait_s, 0.0), self.settings.max_lease_wait_s)
+        while True:
+            work = self._work
+            grant = await self.store.lease(worker_id, time.time())
+            remaining = deadline - loop.time()
+            if grant.lease is not None or grant.reason not in _WAIT_FOR_WORK or remaining <= 0:
+                self.metrics.leases.labels("granted" if grant.lease else grant.reason.value).inc()
+                return grant
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(work.wait(), timeout=min(remaining, grant.retry_after_s or 0.5))
+
+    async def submit(self, worker_id: str, group: SampleGroup, payload: bytes | None) -> SubmissionReceipt:
+        self._same_worker(worker_id, group.worker_id, "the group")
+        findings = check_group(group, self.settings.gate)
+        outcome = await self.store.submit(group, payload if payload is not None else packb(group),
+                                          findings, time.time())
+        if outcome.rejected:
+            reasons = reasons_of(outcome.rejected)
+            self.metrics.submissions.labels("rejected").inc()
+            for reason in reasons:
+                self.metrics.rejections.labels(reason.value).inc()
+            raise ExchangeFault(
+                ErrorCode.rejected,
+                "; ".join(f.message if f.sample_index is None else f"sample {f.sample_index}: {f.message}"
+                          for f in outcome.rejected[:5]),
+                reasons=[r.value for r in reasons],
+                details={"findings": [f.as_dict() for f in outcome.rejected[:50]]},
+            )
+        receipt = outcome.receipt
+        if receipt.duplicate:
+            self.metrics.submissions.labels("duplicate").inc()
+        else:
+            self.metrics.submissions.labels("accepted").inc()
+            self.metrics.tokens.inc(outcome.tokens)
+            self.metrics.groups_stored.labels(receipt.tier.value).inc()
+        return receipt
+
+    async def fail(self, worker_id: str, lease_id: str, report: FailureReport) -> str:
+        state = await self.store.fail_lease(worker_id, lease_id, report, time.time())
+        self.metrics.lease_endings.labels("failed").inc()
+        if state == "queued":
+            self._notify_work()
+        return state
+
+    async def ack_reload(self, worker_id: str, ack: ReloadAck) -> ReloadStatus:
+        self._same_worker(worker_id, ack.worker_id, "the reload ack")
+        try:
+            status = await self.store.ack_reload(ack, time.time())
+        except ExchangeFault as fault:
+            if fault.code is ErrorCode.digest_mismatch:
+                self.metrics.reload_violations.inc()
+            raise
+        if status.aligned:
+            self._notify_work()
+        return status
+
+    # -- trainer side ---------------------------------------------------------------------
+    async def publish(self, manifest: PolicyManifest, quorum: int | None) -> PoolStatus:
+        status = await self.store.publish_policy(manifest, quorum, time.time())
+        self._notify_work()
+        return status
+
+    async def policies(self) -> list[PolicyManifest]:
+        return await self.store.policies()
+
+    async def enqueue(self, jobs: list[RolloutJob]) -> list[EnqueueReceipt]:
+        receipts = await self.store.enqueue(jobs, time.time())
+        if any(r.created for r in receipts):
+            self._notify_work()
+        return receipts
+
+    async def fetch(self, query: FetchFilter) -> FetchBatch:
+        return await self.store.fetch(query, time.time())
+
+    async def group(self, group_id: str) -> StoredGroup:
+        stored = await self.store.group(group_id)
+        if stored is None:
+            raise ExchangeFault(ErrorCode.not_found, f"unknown group {group_id}")
+        return stored
+
+    async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
+                     feedback: TrainerFeedback | None) -> ReportReceipt:
+        if decision is None and feedback is None:
+            raise ExchangeFault(ErrorCode.invalid_request, "a report needs a decision, feedback or both")
+        for name, item in (("decision", decision), ("feedback", feedback)):
+            if item is not None and item.group_id != group_id:
+                raise ExchangeFault(ErrorCode.invalid_request,
+                                    f"the {name} is for group {item.group_id}, not {group_id}")
+        receipt = await self.store.report(trainer_id, group_id, decision, feedback, time.time())
+        if decision is not None:
+            self.metrics.decisions.labels(decision.status.value).inc()
+        return receipt
+
+    async def pool(self) -> PoolStatus:
+        return await self.store.pool_status(time.time())
+
+    async def workers(self) -> list[WorkerSummary]:
+        return await self.store.workers()
+
+    async def audit(self, since_seq: int, kind: str | None, subject: str | None, limit: int) -> AuditPage:
+        return await self.store.audit(since_seq, kind, subject, limit)
+
+    async def render_metrics(self) -> bytes:
+        counts = await self.store.counts()
+        pool = counts.get("pool", {})
+        active, published = pool.get("active", -1), pool.get("published", -1)
+        return self.metrics.render(counts, None if active < 0 else active,
+                                   None if published < 0 else published)

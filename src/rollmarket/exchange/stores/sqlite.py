@@ -1,0 +1,1137 @@
+"""SQLite backend: WAL mode, one writer thread with group commit, readers on their own connections.
+
+All writes go through one thread. It drains whatever operations are waiting, runs each inside its
+own SAVEPOINT (so one failing operation rolls back alone), commits the batch once, and only then
+answers the callers: an acknowledged write is on disk, and with ``synchronous=FULL`` it survives a
+power cut as well as a ``kill -9``. Reads use per-thread connections that WAL lets run beside the
+writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import math
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ...contracts import (
+    AuditEvent,
+    AuditPage,
+    DecisionStatus,
+    EnqueueReceipt,
+    ErrorCode,
+    FailureReport,
+    GroupDecision,
+    HeartbeatReply,
+    JobView,
+    LeaseGrant,
+    LeaseState,
+    NoLeaseReason,
+    PolicyManifest,
+    PoolStatus,
+    RejectionReason,
+    ReloadAck,
+    ReloadStatus,
+    ReportReceipt,
+    RolloutJob,
+    RolloutLease,
+    SampleGroup,
+    SubmissionReceipt,
+    Tier,
+    TrainerFeedback,
+    WorkerHeartbeat,
+    WorkerManifest,
+    WorkerSummary,
+    new_id,
+)
+from ...gate import Finding, check_against_lease, load_public_key, triage_on_arrival
+from ..dispatch import lease_requirements, policy_mismatch, rank_of, worker_score
+from ..errors import ExchangeFault
+from ..settings import ExchangeSettings
+from ..store import FetchBatch, FetchFilter, ReapResult, StoredGroup, Store, SubmitOutcome
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS pool (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    active_version INTEGER,
+    published_version INTEGER
+);
+INSERT OR IGNORE INTO pool (id) VALUES (1);
+CREATE TABLE IF NOT EXISTS policies (
+    version INTEGER PRIMARY KEY,
+    digest TEXT NOT NULL,
+    manifest TEXT NOT NULL,
+    quorum INTEGER,
+    published_at REAL NOT NULL,
+    activated_at REAL
+);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY,
+    manifest TEXT NOT NULL,
+    token_hash TEXT NOT NULL,
+    status TEXT NOT NULL,
+    registered_at REAL NOT NULL,
+    last_heartbeat_at REAL NOT NULL,
+    loaded_version INTEGER,
+    loaded_digest TEXT,
+    loaded_fingerprint TEXT,
+    active_leases INTEGER NOT NULL DEFAULT 0,
+    quality REAL NOT NULL,
+    feedback_count INTEGER NOT NULL DEFAULT 0,
+    price REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS reload_acks (
+    worker_id TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    digest TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    acked_at REAL NOT NULL,
+    PRIMARY KEY (worker_id, policy_version)
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    idempotency_key TEXT NOT NULL UNIQUE,
+    digest TEXT NOT NULL,
+    body TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    priority INTEGER NOT NULL,
+    req_precision TEXT,
+    req_quantization TEXT,
+    max_context INTEGER NOT NULL,
+    needs_experts INTEGER NOT NULL,
+    engines TEXT,
+    deadline REAL,
+    state TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    enqueued_at REAL NOT NULL,
+    queued_at REAL NOT NULL,
+    group_id TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_queue ON jobs (state, priority DESC, queued_at);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    issued_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    state TEXT NOT NULL,
+    ended_at REAL
+);
+CREATE INDEX IF NOT EXISTS leases_live ON leases (state, expires_at);
+CREATE INDEX IF NOT EXISTS leases_worker ON leases (worker_id, state);
+CREATE TABLE IF NOT EXISTS groups (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL UNIQUE,
+    lease_id TEXT NOT NULL UNIQUE,
+    job_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    precision_class TEXT NOT NULL,
+    engine_fingerprint TEXT NOT NULL,
+    content_hash TEXT NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    tier TEXT NOT NULL,
+    status TEXT NOT NULL,
+    lag_at_arrival INTEGER NOT NULL,
+    receipt TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    payload BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS groups_serve ON groups (tier, status, seq);
+CREATE TABLE IF NOT EXISTS served (
+    group_id TEXT NOT NULL,
+    trainer_id TEXT NOT NULL,
+    count INTEGER NOT NULL,
+    first_at REAL NOT NULL,
+    last_at REAL NOT NULL,
+    PRIMARY KEY (group_id, trainer_id)
+);
+CREATE TABLE IF NOT EXISTS decisions (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL,
+    trainer_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    body TEXT NOT NULL,
+    decided_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS feedback (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    group_id TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    trainer_id TEXT NOT NULL,
+    score REAL NOT NULL,
+    body TEXT NOT NULL,
+    received_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS audit (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    actor TEXT NOT NULL,
+    subject TEXT NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_kind ON audit (kind, seq);
+CREATE INDEX IF NOT EXISTS audit_subject ON audit (subject, seq);
+"""
+
+
+def _ts(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def _connect(path: Path, synchronous: str, *, readonly: bool = False) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA busy_timeout = 30000")
+    if readonly:
+        conn.execute("PRAGMA query_only = 1")
+    else:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA synchronous = {synchronous}")
+        conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+class Refusal(Exception):
+    """Raised by an operation to refuse a request yet keep what it wrote (an audit record)."""
+
+    def __init__(self, fault: ExchangeFault):
+        super().__init__(fault.message)
+        self.fault = fault
+
+
+class _Writer:
+    """The single writer thread: batches operations into one transaction each round."""
+
+    _STOP = object()
+
+    def __init__(self, path: Path, synchronous: str, batch_max: int,
+                 on_batch: Callable[[int], None] | None = None):
+        self._on_batch = on_batch
+        self._path = path
+        self._synchronous = synchronous
+        self._batch_max = batch_max
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.batches = 0
+        self.operations = 0
+        self._thread = threading.Thread(target=self._run, name="rollmarket-sqlite-writer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._queue.put(self._STOP)
+        self._thread.join()
+
+    def submit(self, fn: Callable[[sqlite3.Connection], T]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        try:
+            conn = _connect(self._path, self._synchronous)
+        except BaseException as exc:  # surfaced to start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        stopping = False
+        while not stopping:
+            item = self._queue.get()
+            if item is self._STOP:
+                break
+            batch = [item]
+            while len(batch) < self._batch_max:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is self._STOP:
+                    stopping = True
+                    break
+                batch.append(nxt)
+            self._run_batch(conn, batch)
+        conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
+        outcomes = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for fn, future in batch:
+                if not future.set_running_or_notify_cancel():
+                    continue
+                conn.execute("SAVEPOINT op")
+                try:
+                    result = fn(conn)
+                except Refusal as refusal:
+                    conn.execute("RELEASE op")
+                    outcomes.append((future, None, refusal.fault))
+                except BaseException as exc:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                    outcomes.append((future, None, exc))
+                else:
+                    conn.execute("RELEASE op")
+                    outcomes.append((future, result, None))
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            log.exception("write batch failed; rolling back %d operations", len(batch))
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            for fn, future in batch:
+                if future.running():
+                    future.set_exception(exc)
+            return
+        self.batches += 1
+        self.operations += len(outcomes)
+        if self._on_batch is not None:
+            self._on_batch(len(outcomes))
+        # Answer only after COMMIT: an acknowledged write is durable.
+        for future, result, exc in outcomes:
+            if exc is None:
+                future.set_result(result)
+            else:
+                future.set_exception(exc)
+
+
+def _fault(code: ErrorCode, message: str, **details: Any) -> ExchangeFault:
+    return ExchangeFault(code, message, details=details)
+
+
+class SqliteStore(Store):
+    """The exchange's state in one SQLite file."""
+
+    def __init__(self, path: Path | str, settings: ExchangeSettings):
+        self.path = Path(path)
+        self.settings = settings
+        self._writer = _Writer(self.path, settings.sqlite_synchronous, settings.write_batch_max,
+                               on_batch=lambda size: self.on_batch and self.on_batch(size))
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
+        self._started_at = 0.0
+        # Parsed manifests never change once written, so each is parsed once per process.
+        self._manifests: dict[str, WorkerManifest] = {}
+        self._policies: dict[int, PolicyManifest] = {}
+        self._public_keys: dict[str, Any] = {}
+
+    # -- plumbing -------------------------------------------------------------------------
+    async def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.wrap_future(self._writer.submit(fn))
+
+    def _reader(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = _connect(self.path, self.settings.sqlite_synchronous, readonly=True)
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.to_thread(lambda: fn(self._reader()))
+
+    @property
+    def write_stats(self) -> tuple[int, int]:
+        """(batches committed, operations committed) since start."""
+        return self._writer.batches, self._writer.operations
+
+    async def open(self, settings_json: dict, now: float) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._started_at = now
+
+        def init(conn: sqlite3.Connection) -> None:
+            found = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if found is not None and int(found[0]) != SCHEMA_VERSION:
+                raise RuntimeError(f"database schema {found[0]} != supported {SCHEMA_VERSION}")
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('settings', ?)", (_dumps(settings_json),))
+            self._audit(conn, now, "exchange.started", "exchange", "exchange", {"settings": settings_json})
+
+        # executescript manages its own transaction, so the schema is made before the writer starts.
+        setup = _connect(self.path, self.settings.sqlite_synchronous)
+        setup.executescript(SCHEMA)
+        setup.close()
+        self._writer.start()
+        await self._write(init)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._writer.stop)
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
+
+    # -- helpers used inside transactions ---------------------------------------------------
+    @staticmethod
+    def _audit(conn: sqlite3.Connection, now: float, kind: str, actor: str, subject: str,
+               data: dict[str, Any]) -> None:
+        conn.execute(
+            "INSERT INTO audit (at, kind, actor, subject, data) VALUES (?, ?, ?, ?, ?)",
+            (now, kind, actor, subject, _dumps(data)),
+        )
+
+    def _manifest(self, conn: sqlite3.Connection, worker_id: str) -> WorkerManifest:
+        manifest = self._manifests.get(worker_id)
+        if manifest is None:
+            row = conn.execute("SELECT manifest FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
+            if row is None:
+                raise _fault(ErrorCode.not_found, f"unknown worker {worker_id}")
+            manifest = WorkerManifest.model_validate_json(row[0])
+            self._manifests[worker_id] = manifest
+        return manifest
+
+    def _public_key(self, manifest: WorkerManifest):
+        if manifest.public_key is None:
+            return None
+        key = self._public_keys.get(manifest.worker_id)
+        if key is None:
+            key = self._public_keys[manifest.worker_id] = load_public_key(manifest.public_key)
+        return key
+
+    def _policy(self, conn: sqlite3.Connection, version: int | None) -> PolicyManifest | None:
+        if version is None:
+            return None
+        policy = self._policies.get(version)
+        if policy is None:
+            row = conn.execute("SELECT manifest FROM policies WHERE version=?", (version,)).fetchone()
+            if row is None:
+                return None
+            policy = self._policies[version] = PolicyManifest.model_validate_json(row[0])
+        return policy
+
+    @staticmethod
+    def _pool(conn: sqlite3.Connection) -> tuple[int | None, int | None]:
+        row = conn.execute("SELECT active_version, published_version FROM pool WHERE id=1").fetchone()
+        return row[0], row[1]
+
+    def _quorum(self, conn: sqlite3.Connection, version: int) -> tuple[int, int]:
+        """(acks needed, acks present) for `version` among live workers."""
+        override = conn.execute("SELECT quorum FROM policies WHERE version=?", (version,)).fetchone()
+        alive = conn.execute("SELECT COUNT(*) FROM workers WHERE status='alive'").fetchone()[0]
+        if override is not None and override[0] is not None:
+            needed = int(override[0])
+        else:
+            needed = max(self.settings.reload_quorum_min,
+                         math.ceil(self.settings.reload_quorum_fraction * alive))
+        acks = conn.execute(
+            "SELECT COUNT(*) FROM workers WHERE status='alive' AND loaded_version=?", (version,)
+        ).fetchone()[0]
+        return needed, acks
+
+    def _maybe_activate(self, conn: sqlite3.Connection, now: float) -> int | None:
+        active, published = self._pool(conn)
+        if published is None or published == active:
+            return None
+        needed, acks = self._quorum(conn, published)
+        if acks < needed:
+            return None
+        conn.execute("UPDATE pool SET active_version=? WHERE id=1", (published,))
+        conn.execute("UPDATE policies SET activated_at=? WHERE version=?", (now, published))
+        self._audit(conn, now, "policy.activated", "exchange", f"policy:{published}",
+                    {"version": published, "previous": active, "acks": acks, "quorum": needed})
+        return published
+
+    def _end_lease(self, conn: sqlite3.Connection, now: float, lease_id: str, job_id: str,
+                   worker_id: str, state: LeaseState, *, retry: bool, actor: str,
+                   result: ReapResult | None = None, detail: dict | None = None) -> str:
+        """Close an issued lease and re-queue (or fail) its job. Returns the job's new state."""
+        conn.execute("UPDATE leases SET state=?, ended_at=? WHERE lease_id=?", (state.value, now, lease_id))
+        conn.execute("UPDATE workers SET active_leases = MAX(active_leases - 1, 0) WHERE worker_id=?",
+                     (worker_id,))
+        self._audit(conn, now, f"lease.{state.value}", actor, lease_id,
+                    {"job_id": job_id, "worker_id": worker_id, **(detail or {})})
+        job = conn.execute("SELECT attempts, deadline FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+        past_deadline = job["deadline"] is not None and job["deadline"] <= now
+        if retry and job["attempts"] < self.settings.max_attempts and not past_deadline:
+            conn.execute("UPDATE jobs SET state='queued', queued_at=? WHERE job_id=?", (now, job_id))
+            self._audit(conn, now, "job.requeued", actor, job_id,
+                        {"after": state.value, "lease_id": lease_id, "attempts": job["attempts"]})
+            if result is not None:
+                result.requeued_jobs.append(job_id)
+            return "queued"
+        new_state = "expired" if past_deadline else "failed"
+        conn.execute("UPDATE jobs SET state=? WHERE job_id=?", (new_state, job_id))
+        self._audit(conn, now, f"job.{new_state}", actor, job_id,
+                    {"after": state.value, "lease_id": lease_id, "attempts": job["attempts"]})
+        if result is not None:
+            result.failed_jobs.append(job_id)
+        return new_state
+
+    def _touch_worker(self, conn: sqlite3.Connection, worker_id: str, now: float) -> sqlite3.Row:
+        row = conn.execute("SELECT * FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
+        if row is None:
+            raise _fault(ErrorCode.not_found, f"unknown worker {worker_id}")
+        conn.execute("UPDATE workers SET last_heartbeat_at=?, status='alive' WHERE worker_id=?",
+                     (now, worker_id))
+        if row["status"] != "alive":
+            self._audit(conn, now, "worker.revived", worker_id, worker_id, {"was": row["status"]})
+        return row
+
+    # -- workers --------------------------------------------------------------------------
+    async def register_worker(self, manifest: WorkerManifest, token_hash: str, now: float) -> None:
+        def tx(conn: sqlite3.Connection) -> None:
+            if conn.execute("SELECT 1 FROM workers WHERE worker_id=?", (manifest.worker_id,)).fetchone():
+                raise _fault(ErrorCode.worker_exists, f"worker {manifest.worker_id} is already registered")
+            conn.execute(
+                "INSERT INTO workers (worker_id, manifest, token_hash, status, registered_at,"
+                " last_heartbeat_at, quality, price) VALUES (?, ?, ?, 'alive', ?, ?, 0.5, ?)",
+                (manifest.worker_id, manifest.model_dump_json(), token_hash, now, now, manifest.price_hint),
+            )
+            self._audit(conn, now, "worker.registered", manifest.worker_id, manifest.worker_id, {
+                "engine": manifest.engine_name, "fingerprint": manifest.engine_fingerprint,
+                "precision_classes": manifest.precision_classes, "price_hint": manifest.price_hint,
+            })
+
+        await self._write(tx)
+
+    async def worker_token_hashes(self) -> dict[str, str]:
+        return await self._read(lambda conn: {
+            row[0]: row[1] for row in conn.execute("SELECT worker_id, token_hash FROM workers")
+        })
+
+    async def latest_policy(self) -> PolicyManifest | None:
+        def read(conn: sqlite3.Connection) -> PolicyManifest | None:
+            return self._policy(conn, self._pool(conn)[1])
+
+        return await self._read(read)
+
+    async def heartbeat(self, beat: WorkerHeartbeat, now: float) -> HeartbeatReply:
+        def tx(conn: sqlite3.Connection) -> HeartbeatReply:
+            row = self._touch_worker(conn, beat.worker_id, now)
+            active, published = self._pool(conn)
+            cancelled = []
+            for lease_id in beat.active_lease_ids:
+                lease = conn.execute("SELECT worker_id, state FROM leases WHERE lease_id=?",
+                                     (lease_id,)).fetchone()
+                if lease is None or lease["worker_id"] != beat.worker_id or lease["state"] != "issued":
+                    cancelled.append(lease_id)
+            return HeartbeatReply(
+                worker_id=beat.worker_id,
+                status="alive",
+                active_version=active,
+                policy=self._policy(conn, published),
+                reload_required=published is not None and row["loaded_version"] != published,
+                cancelled_lease_ids=cancelled,
+            )
+
+        return await self._write(tx)
+
+    def _competitors(self, conn: sqlite3.Connection, policy: PolicyManifest) -> dict[str, float]:
+        """Scores of live workers aligned with `policy` that have spare capacity."""
+        rows = conn.execute(
+            "SELECT worker_id, quality, price, active_leases FROM workers"
+            " WHERE status='alive' AND loaded_version=? AND loaded_digest=?",
+            (policy.policy_version, policy.checkpoint_digest),
+        ).fetchall()
+        candidates = []
+        for row in rows:
+            manifest = self._manifest(conn, row["worker_id"])
+            if row["active_leases"] < manifest.max_concurrent_groups and policy_mismatch(manifest, policy) is None:
+                candidates.append(row)
+        max_price = max((row["price"] for row in candidates), default=0.0)
+        return {
+            row["worker_id"]: worker_score(row["quality"], row["price"], max_price, self.settings.price_weight)
+            for row in candidates
+        }
+
+    _JOB_MATCH = (
+        " FROM jobs WHERE state='queued' AND policy_version <= :active"
+        " AND (deadline IS NULL OR deadline > :now)"
+        " AND (CASE WHEN req_precision IS NULL THEN :policy_precision_ok"
+        "      ELSE req_precision IN (SELECT value FROM json_each(:precisions)) END)"
+        " AND (CASE WHEN req_quantization IS NULL THEN :policy_quantization_ok"
+        "      ELSE req_quantization IN (SELECT value FROM json_each(:quantizations)) END)"
+        " AND max_context <= :context AND (needs_experts = 0 OR :experts)"
+        " AND (engines IS NULL OR EXISTS (SELECT 1 FROM json_each(jobs.engines) WHERE value = :engine))"
+    )
+
+    async def lease(self, worker_id: str, now: float) -> LeaseGrant:
+        def tx(conn: sqlite3.Connection) -> LeaseGrant:
+            row = self._touch_worker(conn, worker_id, now)
+            manifest = self._manifest(conn, worker_id)
+            active, published = self._pool(conn)
+            latest = self._policy(conn, published)
+            if latest is None:
+                return LeaseGrant(reason=NoLeaseReason.no_policy, retry_after_s=1.0,
+                                  detail="no policy has been published yet")
+            policy = self._policy(conn, active)
+            if policy is None or row["loaded_version"] != active or row["loaded_digest"] != policy.checkpoint_digest:
+                detail = ("no version has reached its reload quorum yet" if policy is None
+                          else f"load policy version {active} and ack it before leasing")
+                return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest,
+                                  detail=detail, retry_after_s=0.5)
+            mismatch = policy_mismatch(manifest, policy)
+            if mismatch:
+                return LeaseGrant(reason=NoLeaseReason.no_matching_jobs, detail=mismatch, retry_after_s=5.0)
+            if row["active_leases"] >= manifest.max_concurrent_groups:
+                return LeaseGrant(reason=NoLeaseReason.at_capacity, retry_after_s=1.0,
+                                  detail=f"{row['active_leases']} leases held")
+            params = {
+                "active": active, "now": now,
+                "policy_precision_ok": int(policy.precision_class in manifest.precision_classes),
+                "precisions": json.dumps(manifest.precision_classes),
+                "policy_quantization_ok": int(policy.quantization_class in manifest.quantization_classes),
+                "quantizations": json.dumps(manifest.quantization_classes),
+                "context": manifest.max_context_tokens,
+                "experts": int(manifest.returns_routed_experts),
+                "engine": manifest.engine_name,
+            }
+            order = " ORDER BY priority DESC, queued_at, rowid LIMIT 1"
+            scores = self._competitors(conn, policy)
+            scores.setdefault(worker_id, 0.0)
+            better = sum(1 for w, s in scores.items() if s > scores[worker_id])
+            job = None
+            if better == 0:
+                job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
+            else:
+                # Leave as many matching jobs as there are better-ranked workers free to take them,
+                # until a job has waited preference_hold_s; then anyone may take it.
+                available = conn.execute(
+                    "SELECT COUNT(*) FROM (SELECT 1" + self._JOB_MATCH + " LIMIT :cap)",
+                    {**params, "cap": better + 1},
+                ).fetchone()[0]
+                if available > better:
+                    job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
+                else:
+                    job = conn.execute(
+                        "SELECT job_id, body" + self._JOB_MATCH + " AND queued_at <= :cutoff" + order,
+                        {**params, "cutoff": now - self.settings.preference_hold_s},
+                    ).fetchone()
+                    if job is None and available:
+                        return LeaseGrant(
+                            reason=NoLeaseReason.deferred, retry_after_s=0.5,
+                            detail=f"{better} better-ranked worker(s) are free for the {available} matching job(s)",
+                        )
+            if job is None:
+                any_queued = conn.execute("SELECT 1 FROM jobs WHERE state='queued' LIMIT 1").fetchone()
+                if any_queued is None:
+                    return LeaseGrant(reason=NoLeaseReason.queue_empty, retry_after_s=1.0)
+                return LeaseGrant(reason=NoLeaseReason.no_matching_jobs, retry_after_s=2.0,
+                                  detail="queued jobs need a precision, quantization, context, engine "
+                                         "or policy version this worker does not offer")
+            rollout_job = RolloutJob.model_validate_json(job["body"])
+            lease = RolloutLease(
+                lease_id=new_id("lease"),
+                job_id=rollout_job.job_id,
+                worker_id=worker_id,
+                policy_version=policy.policy_version,
+                requirements=lease_requirements(rollout_job, policy),
+                issued_at=_ts(now),
+                expires_at=_ts(now + self.settings.lease_ttl_s),
+            )
+            conn.execute(
+                "INSERT INTO leases (lease_id, job_id, worker_id, policy_version, body, issued_at,"
+                " expires_at, state) VALUES (?, ?, ?, ?, ?, ?, ?, 'issued')",
+                (lease.lease_id, lease.job_id, worker_id, lease.policy_version,
+                 lease.model_dump_json(), now, now + self.settings.lease_ttl_s),
+            )
+            conn.execute("UPDATE jobs SET state='leased', attempts=attempts+1 WHERE job_id=?", (lease.job_id,))
+            conn.execute("UPDATE workers SET active_leases=active_leases+1 WHERE worker_id=?", (worker_id,))
+            self._audit(conn, now, "lease.issued", worker_id, lease.lease_id,
+                        {"job_id": lease.job_id, "worker_id": worker_id, "policy_version": lease.policy_version,
+                         "expires_at": now + self.settings.lease_ttl_s})
+            return LeaseGrant(lease=lease, job=rollout_job, policy=policy)
+
+        return await self._write(tx)
+
+    async def lease_owner(self, lease_id: str) -> str | None:
+        def read(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute("SELECT worker_id FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
+            return None if row is None else row[0]
+
+        return await self._read(read)
+
+    async def submit(self, group: SampleGroup, payload: bytes, findings: list[Finding],
+                     now: float) -> SubmitOutcome:
+        def tx(conn: sqlite3.Connection) -> SubmitOutcome:
+            stored = conn.execute(
+                "SELECT group_id, lease_id, content_hash, receipt FROM groups WHERE lease_id=? OR group_id=?",
+                (group.lease_id, group.group_id),
+            ).fetchall()
+            for row in stored:
+                same = (row["group_id"] == group.group_id and row["lease_id"] == group.lease_id
+                        and row["content_hash"] == group.content_hash)
+                if same:
+                    receipt = SubmissionReceipt.model_validate_json(row["receipt"])
+                    return SubmitOutcome(receipt=receipt.model_copy(update={"duplicate": True}), rejected=[])
+                raise ExchangeFault(
+                    ErrorCode.idempotency_conflict,
+                    f"lease {row['lease_id']} already delivered group {row['group_id']} with other content",
+                    details={"stored_group_id": row["group_id"], "stored_content_hash": row["content_hash"]},
+                )
+            lease_row = conn.execute("SELECT body, state, expires_at FROM leases WHERE lease_id=?",
+                                     (group.lease_id,)).fetchone()
+            if lease_row is None:
+                unknown = [Finding(RejectionReason.unknown_lease, f"no lease {group.lease_id} was issued")]
+                self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id, {
+                    "group_id": group.group_id, "reasons": [RejectionReason.unknown_lease.value],
+                })
+                return SubmitOutcome(receipt=None, rejected=list(findings) + unknown)
+            lease = RolloutLease.model_validate_json(lease_row["body"])
+            lease = lease.model_copy(update={"state": LeaseState(lease_row["state"])})
+            if lease.worker_id != group.worker_id:
+                raise _fault(ErrorCode.forbidden, f"lease {lease.lease_id} belongs to another worker")
+            manifest = self._manifest(conn, group.worker_id)
+            ack = conn.execute("SELECT fingerprint FROM reload_acks WHERE worker_id=? AND policy_version=?",
+                               (group.worker_id, lease.policy_version)).fetchone()
+            all_findings = list(findings) + check_against_lease(
+                group, lease, now=_ts(now), acked_fingerprint=None if ack is None else ack[0],
+                public_key=self._public_key(manifest),
+            )
+            if all_findings:
+                self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id, {
+                    "group_id": group.group_id,
+                    "reasons": list(dict.fromkeys(f.reason.value for f in all_findings)),
+                })
+                return SubmitOutcome(receipt=None, rejected=all_findings)
+            active, _ = self._pool(conn)
+            lag = max(0, (active or 0) - group.policy_version)
+            tier, reasons = triage_on_arrival(lag, self.settings.gate)
+            tokens = group.num_response_tokens
+            receipt = SubmissionReceipt(
+                group_id=group.group_id, lease_id=group.lease_id, content_hash=group.content_hash,
+                tier=tier, policy_lag_steps=lag, reasons=reasons, received_at=_ts(now),
+            )
+            conn.execute(
+                "INSERT INTO groups (group_id, lease_id, job_id, worker_id, task_id, policy_version,"
+                " precision_class, engine_fingerprint, content_hash, n_tokens, tier, status,"
+                " lag_at_arrival, receipt, received_at, payload)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'available', ?, ?, ?, ?)",
+                (group.group_id, group.lease_id, group.job_id, group.worker_id, group.task_id,
+                 group.policy_version, group.precision_class, group.engine_fingerprint,
+                 group.content_hash, tokens, tier.value, lag, receipt.model_dump_json(), now, payload),
+            )
+            conn.execute("UPDATE leases SET state='submitted', ended_at=? WHERE lease_id=?", (now, group.lease_id))
+            conn.execute("UPDATE jobs SET state='done', group_id=? WHERE job_id=?", (group.group_id, group.job_id))
+            conn.execute("UPDATE workers SET active_leases=MAX(active_leases-1, 0) WHERE worker_id=?",
+                         (group.worker_id,))
+            self._audit(conn, now, "group.accepted", group.worker_id, group.group_id, {
+                "lease_id": group.lease_id, "job_id": group.job_id, "tier": tier.value, "lag": lag,
+                "tokens": tokens, "content_hash": group.content_hash,
+                "reasons": [r.value for r in reasons],
+            })
+            return SubmitOutcome(receipt=receipt, rejected=[], tokens=tokens)
+
+        return await self._write(tx)
+
+    async def fail_lease(self, worker_id: str, lease_id: str, report: FailureReport, now: float) -> str:
+        def tx(conn: sqlite3.Connection) -> str:
+            row = conn.execute("SELECT job_id, worker_id, state FROM leases WHERE lease_id=?",
+                               (lease_id,)).fetchone()
+            if row is None:
+                raise _fault(ErrorCode.not_found, f"unknown lease {lease_id}")
+            if row["worker_id"] != worker_id:
+                raise _fault(ErrorCode.forbidden, f"lease {lease_id} belongs to another worker")
+            if row["state"] != "issued":
+                raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is {row['state']}",
+                                    details={"state": row["state"]})
+            self._touch_worker(conn, worker_id, now)
+            return self._end_lease(conn, now, lease_id, row["job_id"], worker_id, LeaseState.failed,
+                                   retry=report.retryable, actor=worker_id,
+                                   detail={"kind": report.kind.value, "message": report.message[:500]})
+
+        return await self._write(tx)
+
+    async def ack_reload(self, ack: ReloadAck, now: float) -> ReloadStatus:
+        def tx(conn: sqlite3.Connection) -> ReloadStatus:
+            self._touch_worker(conn, ack.worker_id, now)
+            policy = self._policy(conn, ack.policy_version)
+            if policy is None:
+                raise _fault(ErrorCode.not_found, f"policy version {ack.policy_version} was never published")
+            if ack.checkpoint_digest != policy.checkpoint_digest:
+                others = [dict(r) for r in conn.execute(
+                    "SELECT worker_id, digest FROM reload_acks WHERE policy_version=? AND digest != ?",
+                    (ack.policy_version, ack.checkpoint_digest))]
+                self._audit(conn, now, "reload.violation", ack.worker_id, f"policy:{ack.policy_version}", {
+                    "worker_id": ack.worker_id, "acked_digest": ack.checkpoint_digest,
+                    "published_digest": policy.checkpoint_digest, "other_acks": others,
+                })
+                # The violation is recorded even though the ack itself is refused.
+                raise Refusal(ExchangeFault(
+                    ErrorCode.digest_mismatch,
+                    f"worker {ack.worker_id} acked version {ack.policy_version} with digest "
+                    f"{ack.checkpoint_digest[:12]}…, the published digest is {policy.checkpoint_digest[:12]}…",
+                    details={"published_digest": policy.checkpoint_digest,
+                             "acked_digest": ack.checkpoint_digest, "conflicting_acks": others},
+                ))
+            conn.execute(
+                "INSERT OR REPLACE INTO reload_acks VALUES (?, ?, ?, ?, ?)",
+                (ack.worker_id, ack.policy_version, ack.checkpoint_digest, ack.engine_fingerprint, now),
+            )
+            conn.execute(
+                "UPDATE workers SET loaded_version=?, loaded_digest=?, loaded_fingerprint=? WHERE worker_id=?",
+                (ack.policy_version, ack.checkpoint_digest, ack.engine_fingerprint, ack.worker_id),
+            )
+            self._audit(conn, now, "reload.acked", ack.worker_id, f"policy:{ack.policy_version}", {
+                "worker_id": ack.worker_id, "fingerprint": ack.engine_fingerprint,
+                "load_seconds": ack.load_seconds,
+            })
+            self._maybe_activate(conn, now)
+            active, published = self._pool(conn)
+            needed, acks = self._quorum(conn, published) if published is not None else (0, 0)
+            return ReloadStatus(
+                worker_id=ack.worker_id, policy_version=ack.policy_version,
+                aligned=active == ack.policy_version, active_version=active,
+                published_version=published, acks=acks, quorum=needed,
+            )
+
+        return await self._write(tx)
+
+    # -- trainer --------------------------------------------------------------------------
+    async def publish_policy(self, manifest: PolicyManifest, quorum: int | None, now: float) -> PoolStatus:
+        def tx(conn: sqlite3.Connection) -> None:
+            existing = conn.execute("SELECT manifest FROM policies WHERE version=?",
+                                    (manifest.policy_version,)).fetchone()
+            if existing is not None:
+                if PolicyManifest.model_validate_json(existing[0]) == manifest:
+                    return
+                raise _fault(ErrorCode.version_conflict,
+                             f"policy version {manifest.policy_version} was already published with other content")
+            _, published = self._pool(conn)
+            if published is not None and manifest.policy_version <= published:
+                raise _fault(ErrorCode.version_conflict,
+                             f"policy version {manifest.policy_version} is not newer than {published}",
+                             published_version=published)
+            if manifest.parent_version is not None and manifest.parent_version >= manifest.policy_version:
+                raise _fault(ErrorCode.invalid_request, "parent_version must be older than policy_version")
+            conn.execute(
+                "INSERT INTO policies (version, digest, manifest, quorum, published_at) VALUES (?, ?, ?, ?, ?)",
+                (manifest.policy_version, manifest.checkpoint_digest, manifest.model_dump_json(), quorum, now),
+            )
+            conn.execute("UPDATE pool SET published_version=? WHERE id=1", (manifest.policy_version,))
+            self._audit(conn, now, "policy.published", "trainer", f"policy:{manifest.policy_version}", {
+                "version": manifest.policy_version, "parent": manifest.parent_version,
+                "digest": manifest.checkpoint_digest, "quorum": quorum,
+            })
+            self._maybe_activate(conn, now)
+
+        await self._write(tx)
+        return await self.pool_status(now)
+
+    async def policies(self) -> list[PolicyManifest]:
+        return await self._read(lambda conn: [
+            PolicyManifest.model_validate_json(row[0])
+            for row in conn.execute("SELECT manifest FROM policies ORDER BY version")
+        ])
+
+    async def enqueue(self, jobs: list[RolloutJob], now: float) -> list[EnqueueReceipt]:
+        def tx(conn: sqlite3.Connection) -> list[EnqueueReceipt]:
+            receipts = []
+            for job in jobs:
+                digest = job.digest()
+                row = conn.execute(
+                    "SELECT job_id, idempotency_key, digest FROM jobs WHERE idempotency_key=? OR job_id=?",
+                    (job.idempotency_key, job.job_id),
+                ).fetchone()
+                if row is not None:
+                    if row["digest"] == digest:
+                        receipts.append(EnqueueReceipt(job_id=row["job_id"], created=False))
+                        continue
+                    raise ExchangeFault(
+                        ErrorCode.idempotency_conflict,
+                        f"job {row['job_id']} (key {row['idempotency_key']!r}) exists with other content",
+                        details={"job_id": row["job_id"], "idempotency_key": row["idempotency_key"]},
+                    )
+                conn.execute(
+                    "INSERT INTO jobs (job_id, idempotency_key, digest, body, policy_version, priority,"
+                    " req_precision, req_quantization, max_context, needs_experts, engines, deadline,"
+                    " state, enqueued_at, queued_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'queued', ?, ?)",
+                    (job.job_id, job.idempotency_key, digest, job.model_dump_json(), job.policy_version,
+                     job.priority, job.required_precision, job.required_quantization,
+                     job.max_context_tokens, int(job.requires_routed_experts),
+                     json.dumps(job.allowed_engines) if job.allowed_engines else None,
+                     job.deadline.timestamp() if job.deadline else None, now, now),
+                )
+                self._audit(conn, now, "job.enqueued", "trainer", job.job_id, {
+                    "task_id": job.task.task_id, "policy_version": job.policy_version,
+                    "group_size": job.group_size,
+                })
+                receipts.append(EnqueueReceipt(job_id=job.job_id, created=True))
+            return receipts
+
+        return await self._write(tx)
+
+    async def jobs(self, state: str | None, limit: int) -> list[JobView]:
+        def read(conn: sqlite3.Connection) -> list[JobView]:
+            sql = "SELECT body, state, attempts, queued_at, group_id FROM jobs"
+            args: tuple = ()
+            if state:
+                sql += " WHERE state=?"
+                args = (state,)
+            sql += " ORDER BY enqueued_at, rowid LIMIT ?"
+            return [
+                JobView(job=RolloutJob.model_validate_json(r["body"]), state=r["state"],
+                        attempts=r["attempts"], queued_at=_ts(r["queued_at"]), group_id=r["group_id"])
+                for r in conn.execute(sql, args + (limit,))
+            ]
+
+        return await self._read(read)
+
+    _STORED_COLUMNS = ("g.group_id, g.tier, g.status, g.received_at, g.policy_version,"
+                       " g.lag_at_arrival, g.payload")
+
+    async def fetch(self, query: FetchFilter, now: float) -> FetchBatch:
+        def tx(conn: sqlite3.Connection) -> FetchBatch:
+            active, _ = self._pool(conn)
+            where = ["g.tier = :tier", "g.status = 'available'"]
+            params: dict[str, Any] = {"tier": query.tier.value, "trainer": query.trainer_id}
+            if query.policy_version is not None:
+                where.append("g.policy_version = :version")
+                params["version"] = query.policy_version
+            if query.max_staleness is not None and active is not None:
+                where.append("g.policy_version >= :oldest")
+                params["oldest"] = active - query.max_staleness
+            if query.precision_class is not None:
+                where.append("g.precision_class = :precision")
+                params["precision"] = query.precision_class
+            if not query.include_served:
+                # Served but undecided groups come back after redeliver_after_s: a fetch whose
+                # answer was lost in transit cannot lose groups.
+                where.append("(s.group_id IS NULL OR s.last_at <= :redeliver)")
+                params["redeliver"] = now - self.settings.redeliver_after_s
+            base = (" FROM groups g LEFT JOIN served s ON s.group_id = g.group_id AND s.trainer_id = :trainer"
+                    " WHERE " + " AND ".join(where))
+            order = " ORDER BY g.seq DESC" if query.newest_first else " ORDER BY g.seq"
+            rows = conn.execute(
+                "SELECT " + self._STORED_COLUMNS + ", COALESCE(s.count, 0) AS served" + base + order + " LIMIT :limit",
+                {**params, "limit": query.limit},
+            ).fetchall()
+            total = conn.execute("SELECT COUNT(*)" + base, params).fetchone()[0]
+            groups = []
+            for row in rows:
+                conn.execute(
+                    "INSERT INTO served (group_id, trainer_id, count, first_at, last_at) VALUES (?, ?, 1, ?, ?)"
+                    " ON CONFLICT (group_id, trainer_id) DO UPDATE SET count = count + 1, last_at = excluded.last_at",
+                    (row["group_id"], query.trainer_id, now, now),
+                )
+                groups.append(StoredGroup(
+                    group_id=row["group_id"], tier=Tier(row["tier"]), status=row["status"],
+                    received_at=row["received_at"], policy_version=row["policy_version"],
+                    lag_at_arrival=row["lag_at_arrival"], served_count=row["served"] + 1,
+                    payload=row["payload"],
+                ))
+            if groups:
+                self._audit(conn, now, "groups.served", query.trainer_id, query.trainer_id, {
+                    "tier": query.tier.value, "group_ids": [g.group_id for g in groups],
+                })
+            remaining = max(total - len(groups), 0)
+            return FetchBatch(groups=groups, active_version=active, remaining=remaining)
+
+        return await self._write(tx)
+
+    async def group(self, group_id: str) -> StoredGroup | None:
+        def read(conn: sqlite3.Connection) -> StoredGroup | None:
+            row = conn.execute(
+                "SELECT " + self._STORED_COLUMNS + " FROM groups g WHERE g.group_id=?", (group_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            served = conn.execute("SELECT COALESCE(SUM(count), 0) FROM served WHERE group_id=?",
+                                  (group_id,)).fetchone()[0]
+            return StoredGroup(
+                group_id=row["group_id"], tier=Tier(row["tier"]), status=row["status"],
+                received_at=row["received_at"], policy_version=row["policy_version"],
+                lag_at_arrival=row["lag_at_arrival"], served_count=served, payload=row["payload"],
+            )
+
+        return await self._read(read)
+
+    async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
+                     feedback: TrainerFeedback | None, now: float) -> ReportReceipt:
+        def tx(conn: sqlite3.Connection) -> ReportReceipt:
+            row = conn.execute("SELECT worker_id, tier, status FROM groups WHERE group_id=?",
+                               (group_id,)).fetchone()
+            if row is None:
+                raise _fault(ErrorCode.not_found, f"unknown group {group_id}")
+            tier, status = row["tier"], row["status"]
+            if decision is not None:
+                conn.execute(
+                    "INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?, ?, ?, ?, ?)",
+                    (group_id, trainer_id, decision.status.value, decision.model_dump_json(), now),
+                )
+                if decision.status in (DecisionStatus.train, DecisionStatus.train_with_correction):
+                    status = "consumed"
+                elif decision.status is DecisionStatus.replay:
+                    tier = Tier.replay.value
+                elif decision.status is DecisionStatus.quarantine:
+                    tier = Tier.quarantine.value
+                else:
+                    status = "dropped"
+                conn.execute("UPDATE groups SET tier=?, status=? WHERE group_id=?", (tier, status, group_id))
+                self._audit(conn, now, "group.decided", trainer_id, group_id, {
+                    "status": decision.status.value, "reasons": [r.value for r in decision.reasons],
+                    "rejection_reasons": [r.value for r in decision.rejection_reasons],
+                    "tier": tier, "group_status": status,
+                    "token_ess": None if decision.report is None else decision.report.token_ess,
+                })
+            worker = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (row["worker_id"],)).fetchone()
+            quality = worker["quality"]
+            if feedback is not None:
+                alpha = self.settings.feedback_alpha
+                quality = (1 - alpha) * quality + alpha * feedback.score
+                conn.execute(
+                    "UPDATE workers SET quality=?, feedback_count=feedback_count+1 WHERE worker_id=?",
+                    (quality, row["worker_id"]),
+                )
+                conn.execute(
+                    "INSERT INTO feedback (group_id, worker_id, trainer_id, score, body, received_at)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (group_id, row["worker_id"], trainer_id, feedback.score, feedback.model_dump_json(), now),
+                )
+                self._audit(conn, now, "feedback.recorded", trainer_id, row["worker_id"], {
+                    "group_id": group_id, "score": feedback.score, "quality": quality,
+                })
+            return ReportReceipt(group_id=group_id, tier=tier, status=status,
+                                 worker_id=row["worker_id"], worker_quality=quality)
+
+        return await self._write(tx)
+
+    # -- operations -----------------------------------------------------------------------
+    async def reap(self, now: float) -> ReapResult:
+        def tx(conn: sqlite3.Connection) -> ReapResult:
+            result = ReapResult()
+            for row in conn.execute(
+                "SELECT lease_id, job_id, worker_id FROM leases WHERE state='issued' AND expires_at <= ?", (now,)
+            ).fetchall():
+                self._end_lease(conn, now, row["lease_id"], row["job_id"], row["worker_id"],
+                                LeaseState.expired, retry=True, actor="reaper", result=result)
+                result.expired_leases.append(row["lease_id"])
+            # After a restart every worker gets one full TTL of grace from the moment we started.
+            cutoff = now - self.settings.heartbeat_ttl_s
+            if self._started_at <= cutoff:
+                for row in conn.execute(
+                    "SELECT worker_id, last_heartbeat_at FROM workers WHERE status='alive' AND last_heartbeat_at < ?",
+                    (cutoff,),
+                ).fetchall():
+                    worker_id = row["worker_id"]
+                    conn.execute("UPDATE workers SET status='dead' WHERE worker_id=?", (worker_id,))
+                    self._audit(conn, now, "worker.dead", "reaper", worker_id,
+                                {"silent_for_s": round(now - row["last_heartbeat_at"], 3)})
+                    result.dead_workers.append(worker_id)
+                    for lease in conn.execute(
+                        "SELECT lease_id, job_id FROM leases WHERE worker_id=? AND state='issued'", (worker_id,)
+                    ).fetchall():
+                        self._end_lease(conn, now, lease["lease_id"], lease["job_id"], worker_id,
+                                        LeaseState.abandoned, retry=True, actor="reaper", result=result)
+                        result.abandoned_leases.append(lease["lease_id"])
+            for row in conn.execute(
+                "SELECT job_id FROM jobs WHERE state='queued' AND deadline IS NOT NULL AND deadline <= ?", (now,)
+            ).fetchall():
+                conn.execute("UPDATE jobs SET state='expired' WHERE job_id=?", (row["job_id"],))
+                self._audit(conn, now, "job.expired", "reaper", row["job_id"], {"reason": "deadline"})
+                result.failed_jobs.append(row["job_id"])
+            result.activated_version = self._maybe_activate(conn, now)
+            return result
+
+        return await self._write(tx)
+
+    def _worker_summaries(self, conn: sqlite3.Connection, active: int | None) -> list[WorkerSummary]:
+        policy = self._policy(conn, active)
+        summaries = []
+        for row in conn.execute("SELECT * FROM workers ORDER BY worker_id"):
+            manifest = self._manifest(conn, row["worker_id"])
+            summaries.append(WorkerSummary(
+                worker_id=row["worker_id"], status=row["status"], engine_name=manifest.engine_name,
+                engine_fingerprint=row["loaded_fingerprint"] or manifest.engine_fingerprint,
+                precision_classes=manifest.precision_classes, loaded_version=row["loaded_version"],
+                aligned=(policy is not None and row["status"] == "alive"
+                         and row["loaded_version"] == active and row["loaded_digest"] == policy.checkpoint_digest),
+                active_leases=row["active_leases"], quality=row["quality"],
+                feedback_count=row["feedback_count"], price_hint=row["price"],
+                last_heartbeat_at=_ts(row["last_heartbeat_at"]), registered_at=_ts(row["registered_at"]),
+            ))
+        return summaries
+
+    async def pool_status(self, now: float) -> PoolStatus:
+        def read(conn: sqlite3.Connection) -> PoolStatus:
+            active, published = self._pool(conn)
+            needed, acks = self._quorum(conn, published) if published is not None else (0, 0)
+            counts = self._counts(conn)
+            workers = self._worker_summaries(conn, active)
+            return PoolStatus(
+                active_version=active, published_version=published, policy=self._policy(conn, published),
+                quorum=needed, acks=acks,
+                alive_workers=sum(1 for w in workers if w.status == "alive"),
+                dead_workers=sum(1 for w in workers if w.status == "dead"),
+                jobs=counts["jobs"], leases=counts["leases"], groups=counts["groups"], workers=workers,
+            )
+
+        return await self._read(read)
+
+    async def workers(self) -> list[WorkerSummary]:
+        return await self._read(lambda conn: self._worker_summaries(conn, self._pool(conn)[0]))
+
+    async def audit(self, since_seq: int, kind: str | None, subject: str | None, limit: int) -> AuditPage:
+        def read(conn: sqlite3.Connection) -> AuditPage:
+            sql = "SELECT seq, at, kind, actor, subject, data FROM audit WHERE seq > ?"
+            args: list[Any] = [since_seq]
+            if kind:
+                if kind.endswith("*") or kind.endswith("."):
+                    sql += " AND kind LIKE ?"
+                    args.append(kind.rstrip("*") + "%")
+                else:
+                    sql += " AND kind = ?"
+                    args.append(kind)
+            if subject:
+                sql += " AND subject = ?"
+                args.append(subject)
+            sql += " ORDER BY seq LIMIT ?"
+            args.append(limit)
+            events = [
+                AuditEvent(seq=r["seq"], at=_ts(r["at"]), kind=r["kind"], actor=r["actor"],
+                           subject=r["subject"], data=json.loads(r["data"]))
+                for r in conn.execute(sql, args)
+            ]
+            return AuditPage(events=events, next_seq=events[-1].seq if events else since_seq)
+
+        return await self._read(read)
+
+    @staticmethod
+    def _counts(conn: sqlite3.Connection) -> dict[str, dict[str, int]]:
+        def by(sql: str) -> dict[str, int]:
+            return {row[0]: row[1] for row in conn.execute(sql)}
+
+        return {
+            "jobs": by("SELECT state, COUNT(*) FROM jobs GROUP BY state"),
+            "leases": by("SELECT state, COUNT(*) FROM leases GROUP BY state"),
+            "groups": by("SELECT tier, COUNT(*) FROM groups WHERE status='available' GROUP BY tier"),
+            "workers": by("SELECT status, COUNT(*) FROM workers GROUP BY status"),
+            "audit": by("SELECT kind, COUNT(*) FROM audit GROUP BY kind"),
+            "pool": {
+                name: -1 if value is None else value
+                for name, value in zip(("active", "published"), SqliteStore._pool(conn))
+            },
+        }
+
+    async def counts(self) -> dict[str, dict[str, int]]:
+        return await self._read(self._counts)
+

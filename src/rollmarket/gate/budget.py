@@ -1,0 +1,155 @@
+"""BudgetReport from behaviour and trainer logprobs (formulas in DESIGN.md, 'Formulas')."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..contracts import BudgetReport, SampleGroup, Trajectory
+from .config import GateConfig
+
+
+def valid_token_mask(trajectory: Trajectory) -> np.ndarray:
+    """bool [T]: tokens the policy produced that are not tool output."""
+    n = trajectory.num_response_tokens
+    valid_T = np.ones(n, dtype=bool) if trajectory.action_mask is None else trajectory.action_mask.astype(bool)
+    if trajectory.tool_output_mask is not None:
+        valid_T &= ~trajectory.tool_output_mask.astype(bool)
+    return valid_T
+
+
+def budget_from_arrays(
+    rollout_logprobs_N: np.ndarray,
+    trainer_logprobs_N: np.ndarray,
+    sequence_ids_N: np.ndarray,
+    n_sequences: int,
+    *,
+    group_id: str = "",
+    config: GateConfig = GateConfig(),
+    router_flip_rate: float | None = None,
+    policy_lag_steps: int = 0,
+) -> BudgetReport:
+    """The statistics over N valid tokens drawn from `n_sequences` sequences.
+
+    `sequence_ids_N` says which sequence each token belongs to (0 .. n_sequences-1).
+    """
+    rollout_N = np.asarray(rollout_logprobs_N, dtype=np.float64)
+    trainer_N = np.asarray(trainer_logprobs_N, dtype=np.float64)
+    if rollout_N.shape != trainer_N.shape or rollout_N.ndim != 1:
+        raise ValueError(f"logprob shapes differ: {rollout_N.shape} vs {trainer_N.shape}")
+    n = rollout_N.shape[0]
+    c = config.clamp
+    if n == 0:
+        return BudgetReport(
+            group_id=group_id, n_tokens=0, n_sequences=n_sequences, clamp=c, token_ess=1.0,
+            sequence_ess=1.0, mean_delta=0.0, mean_abs_delta=0.0, max_abs_delta=0.0,
+            clipped_fraction=0.0, veto_fraction=0.0, second_moment=1.0, top1pct_mass=0.0,
+            kl_k1=0.0, kl_k3=0.0, chi2=0.0, mean_prob_diff=0.0,
+            router_flip_rate=router_flip_rate, policy_lag_steps=policy_lag_steps,
+        )
+    delta_N = trainer_N - rollout_N
+    abs_N = np.abs(delta_N)
+    clipped_N = np.clip(delta_N, -c, c)
+    w_N = np.exp(clipped_N)
+    sum_w = w_N.sum()
+    sum_w2 = np.square(w_N).sum()
+    token_ess = float(sum_w * sum_w / (n * sum_w2))
+
+    seq_delta_S = np.bincount(sequence_ids_N, weights=delta_N, minlength=n_sequences)
+    w_S = np.exp(np.clip(seq_delta_S, -c, c))
+    sequence_ess = float(w_S.sum() ** 2 / (n_sequences * np.square(w_S).sum()))
+
+    k = max(1, math.ceil(0.01 * n))
+    top_k = np.partition(w_N, n - k)[n - k:]
+    # r uses the clamped Δ so that one absurd token cannot make k3 or χ² infinite.
+    return BudgetReport(
+        group_id=group_id,
+        n_tokens=n,
+        n_sequences=n_sequences,
+        clamp=c,
+        token_ess=token_ess,
+        sequence_ess=sequence_ess,
+        mean_delta=float(delta_N.mean()),
+        mean_abs_delta=float(abs_N.mean()),
+        max_abs_delta=float(abs_N.max()),
+        clipped_fraction=float((abs_N > c).mean()),
+        veto_fraction=float((abs_N > config.veto_abs_delta).mean()),
+        second_moment=float(sum_w2 / n),
+        top1pct_mass=float(top_k.sum() / sum_w),
+        kl_k1=float(-delta_N.mean()),
+        kl_k3=float((w_N - clipped_N - 1.0).mean()),
+        chi2=float(sum_w2 / n - 1.0),
+        mean_prob_diff=float(np.abs(np.exp(rollout_N) - np.exp(trainer_N)).mean()),
+        router_flip_rate=router_flip_rate,
+        policy_lag_steps=policy_lag_steps,
+    )
+
+
+def router_flip_rate(
+    rollout_experts: Sequence[np.ndarray], trainer_experts: Sequence[np.ndarray],
+    valid_masks: Sequence[np.ndarray],
+) -> float:
+    """Share of (valid token, MoE layer) positions whose top-1 expert differs.
+
+    Arrays are [T, L, K] with experts ordered by routing weight, so column 0 is the top-1.
+    """
+    flips = 0
+    positions = 0
+    for rollout_TLK, trainer_TLK, valid_T in zip(rollout_experts, trainer_experts, valid_masks):
+        if rollout_TLK.shape[:2] != trainer_TLK.shape[:2]:
+            raise ValueError(f"routed expert shapes differ: {rollout_TLK.shape} vs {trainer_TLK.shape}")
+        differ_TL = rollout_TLK[valid_T, :, 0] != trainer_TLK[valid_T, :, 0]
+        flips += int(differ_TL.sum())
+        positions += differ_TL.size
+    return flips / positions if positions else 0.0
+
+
+def budget_report(
+    group: SampleGroup,
+    trainer_logprobs: Sequence[np.ndarray],
+    *,
+    trainer_routed_experts: Sequence[np.ndarray] | None = None,
+    policy_lag_steps: int | None = None,
+    config: GateConfig = GateConfig(),
+) -> BudgetReport:
+    """The BudgetReport of a group, given the trainer's logprobs for each trajectory's response.
+
+    `trainer_logprobs[i]` is float [T_i] aligned with `group.trajectories[i].response_token_ids`.
+    Only valid tokens (action, not tool output) count.
+    """
+    if len(trainer_logprobs) != len(group.trajectories):
+        raise ValueError(
+            f"{len(trainer_logprobs)} trainer logprob arrays for {len(group.trajectories)} trajectories"
+        )
+    rollout_parts, trainer_parts, seq_parts, masks = [], [], [], []
+    for index, (trajectory, trainer_T) in enumerate(zip(group.trajectories, trainer_logprobs)):
+        if trajectory.logprobs is None:
+            raise ValueError(f"trajectory {index} has no behaviour logprobs")
+        trainer_T = np.asarray(trainer_T)
+        if trainer_T.shape != trajectory.logprobs.shape:
+            raise ValueError(
+                f"trajectory {index}: trainer logprobs {trainer_T.shape} vs behaviour {trajectory.logprobs.shape}"
+            )
+        valid_T = valid_token_mask(trajectory)
+        masks.append(valid_T)
+        rollout_parts.append(trajectory.logprobs[valid_T])
+        trainer_parts.append(trainer_T[valid_T])
+        seq_parts.append(np.full(int(valid_T.sum()), index, dtype=np.int64))
+    flip = None
+    if trainer_routed_experts is not None:
+        rollout_experts = [t.routed_experts for t in group.trajectories]
+        if any(e is None for e in rollout_experts):
+            raise ValueError("trainer routed experts given but the group has none")
+        flip = router_flip_rate(rollout_experts, trainer_routed_experts, masks)
+    return budget_from_arrays(
+        np.concatenate(rollout_parts),
+        np.concatenate(trainer_parts),
+        np.concatenate(seq_parts),
+        len(group.trajectories),
+        group_id=group.group_id,
+        config=config,
+        router_flip_rate=flip,
+        policy_lag_steps=group.policy_lag_steps if policy_lag_steps is None else policy_lag_steps,
+    )

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import ExchangeProcess  # noqa: E402
+
+
+@pytest.fixture
+def start_exchange(tmp_path):
+    """Start real exchange processes; every one started is stopped after the test."""
+    started: list[ExchangeProcess] = []
+
+    def start(*args: str, db: Path | None = None) -> ExchangeProcess:
+        server = ExchangeProcess(db=db or tmp_path / "exchange.db", log=tmp_path / "exchange.log",
+                                 args=list(args))
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def exchange(start_exchange) -> ExchangeProcess:
+    """One exchange with short TTLs so that expiry paths run in test time."""
+    return start_exchange("--reaper-interval-s", "0.1")

@@ -1,0 +1,151 @@
+"""Shared test helpers: a real exchange process on loopback, and factories for contracts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from rollmarket import TrainerClient, WorkerClient
+from rollmarket.contracts import (
+    LeaseGrant,
+    PolicyManifest,
+    RolloutJob,
+    SamplingConfig,
+    TaskSpec,
+    Trajectory,
+    WorkerManifest,
+)
+
+TRAINER_TOKEN = "test-trainer-token"
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+TOKENIZER = sha("tokenizer")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ExchangeProcess:
+    """`rollmarket exchange serve` as a child process on a free loopback port."""
+
+    db: Path
+    log: Path
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ExchangeProcess":
+        self.port = self.port or free_port()
+        cmd = [sys.executable, "-m", "rollmarket", "exchange", "serve", "--db", str(self.db),
+               "--port", str(self.port), "--trainer-token", TRAINER_TOKEN, "--log-level", "warning",
+               *self.args]
+        self._log_file = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exchange exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"exchange did not come up:\n{self.log.read_text()}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if getattr(self, "_log_file", None):
+            self._log_file.close()
+
+    def trainer(self, **kwargs) -> TrainerClient:
+        return TrainerClient(self.url, TRAINER_TOKEN, **kwargs)
+
+
+def manifest(worker_id: str = "w1", **overrides) -> WorkerManifest:
+    fields = dict(worker_id=worker_id, engine_name="hf", engine_version="1.0",
+                  engine_fingerprint=sha(f"fp-{worker_id}"), precision_classes=["bf16"],
+                  supported_tokenizer_hashes=[TOKENIZER], max_context_tokens=8192)
+    fields.update(overrides)
+    return WorkerManifest(**fields)
+
+
+def policy(version: int = 0, **overrides) -> PolicyManifest:
+    fields = dict(policy_version=version, parent_version=None if version == 0 else version - 1,
+                  checkpoint_digest=sha(f"ckpt-{version}"), tokenizer_hash=TOKENIZER,
+                  model_config_hash=sha("config"), vocab_size=1000, precision_class="bf16")
+    fields.update(overrides)
+    return PolicyManifest(**fields)
+
+
+def job(index: int = 0, version: int = 0, group_size: int = 2, **overrides) -> RolloutJob:
+    fields = dict(task=TaskSpec(task_id=f"task-{index}", prompt=f"what is {index}+{index}?",
+                                verifier="exact_match", answer=str(2 * index)),
+                  policy_version=version, group_size=group_size,
+                  sampling_config=SamplingConfig(temperature=1.0, max_tokens=64, seed=index))
+    fields.update(overrides)
+    return RolloutJob(**fields)
+
+
+def trajectories(n: int, tokens: int = 16, *, seed: int = 0, prompt: int = 8) -> list[Trajectory]:
+    rng = np.random.default_rng(seed)
+    return [
+        Trajectory(
+            sample_index=i,
+            prompt_token_ids=rng.integers(0, 1000, prompt, dtype=np.int32),
+            response_token_ids=rng.integers(0, 1000, tokens, dtype=np.int32),
+            logprobs=-rng.random(tokens, dtype=np.float32) * 3,
+            action_mask=np.ones(tokens, np.uint8),
+            tool_output_mask=np.zeros(tokens, np.uint8),
+            reward=float(i % 2),
+        )
+        for i in range(n)
+    ]
+
+
+def ready_worker(url: str, worker_id: str = "w1", version: int = 0, **manifest_overrides) -> WorkerClient:
+    """A registered worker that has acked `version` (which must be published)."""
+    client = WorkerClient(url)
+    client.register(manifest(worker_id, **manifest_overrides))
+    client.ack_reload(version, sha(f"ckpt-{version}"))
+    return client
+
+
+def lease_one(client: WorkerClient, wait_s: float = 5.0) -> LeaseGrant:
+    grant = client.lease(wait_s=wait_s)
+    assert grant.lease is not None, grant
+    return grant

@@ -1,0 +1,37 @@
+"""Run directories: `runs/<UTC timestamp>-<short id>/` holding config, metrics and reports."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+
+
+def code_version() -> dict[str, str]:
+    """The package version and, when run from a git checkout, the commit."""
+    info = {"rollmarket": __version__}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=5)
+        if commit.returncode == 0:
+            info["git_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def new_run_dir(root: Path | str = "runs", *, kind: str = "run") -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = Path(root) / f"{stamp}-{secrets.token_hex(3)}"
+    path.mkdir(parents=True, exist_ok=False)
+    (path / "logs").mkdir()
+    return path
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")

@@ -1,0 +1,136 @@
+"""Simulated worker profiles: one honest engine and the ways real ones go wrong.
+
+Each profile turns a lease into a group (or into a crash). The gate and the exchange must sort
+them out with nothing but what arrives over HTTP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from ..contracts import FinishReason, LeaseGrant, SampleGroup, Trajectory
+from . import synthetic
+
+
+class Profile(str, Enum):
+    honest = "honest"
+    """bf16 engine whose logprobs sit within rounding of the trainer's."""
+    noisy = "noisy"
+    """Sometimes fine, sometimes noisy, sometimes one token off by e^35: replay and quarantine."""
+    stale = "stale"
+    """Sits on its leases while the trainer moves on: groups arrive versions late."""
+    toxic_tokenizer = "toxic-tokenizer"
+    """Runs another tokenizer: wrong tokenizer hash and ids outside the vocabulary."""
+    toxic_precision = "toxic-precision"
+    """Claims bf16 but runs broken low-precision numerics: samples tokens the policy forbids,
+    and now and then labels its groups with the fp8 it really runs."""
+    no_logprobs = "no-logprobs"
+    """An OpenAI-compatible host that drops logprobs."""
+    version_drift = "version-drift"
+    """Acks reloads but keeps serving the previous checkpoint; once acks a wrong digest."""
+    crashing = "crashing"
+    """Hangs on its first lease until it expires, then dies holding its second."""
+
+
+DESCRIPTIONS = {p: (p.__doc__ or "").strip() for p in Profile}
+
+
+@dataclass
+class GroupPlan:
+    """What a profile decided to do with a lease."""
+
+    group: SampleGroup | None = None
+    hold_s: float = 0.0
+    """Seconds to sit on the lease before submitting."""
+    hang_until_expiry: bool = False
+    crash: bool = False
+
+
+def _trajectory(rng: np.random.Generator, grant: LeaseGrant, index: int, *, sigma: float,
+                forbidden_share: float = 0.0, spike: bool = False, drop_logprobs: bool = False,
+                out_of_vocab: bool = False) -> Trajectory:
+    job = grant.job
+    prompt_P = synthetic.encode_prompt(job.task)
+    length = int(rng.integers(24, 96))
+    response_T = synthetic.sample_tokens(rng, length, forbidden_share=forbidden_share)
+    if out_of_vocab:
+        response_T[: max(1, length // 8)] = synthetic.VOCAB_SIZE + rng.integers(0, 4096, max(1, length // 8))
+    reference_T = synthetic.reference_logprobs(prompt_P, response_T, grant.lease.policy_version)
+    behaviour_T = reference_T + rng.normal(0.0, sigma, length).astype(np.float32)
+    forbidden = response_T % synthetic.FORBIDDEN_MODULUS == 0
+    # A broken engine believes forbidden tokens are ordinary ones.
+    behaviour_T[forbidden] = -2.0
+    if spike:
+        at = int(rng.integers(0, length))
+        behaviour_T[at] = reference_T[at] - 35.0
+    behaviour_T = np.minimum(behaviour_T, 0.0).astype(np.float32)
+    return Trajectory(
+        sample_index=index,
+        prompt_token_ids=prompt_P,
+        response_token_ids=response_T,
+        logprobs=None if drop_logprobs else behaviour_T,
+        action_mask=np.ones(length, np.uint8),
+        tool_output_mask=np.zeros(length, np.uint8),
+        reward=synthetic.reward(job.task, index, response_T),
+        finish_reason=FinishReason.stop,
+    )
+
+
+def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, *, leases_seen: int,
+         lease_ttl_s: float) -> GroupPlan:
+    """What `profile` does with its `leases_seen`-th lease (1-based)."""
+    size = grant.job.group_size
+
+    def group(sigma: float = 0.003, **kwargs) -> SampleGroup:
+        trajectories = [_trajectory(rng, grant, i, sigma=sigma, **kwargs) for i in range(size)]
+        return client.group_for(grant, trajectories, wall_time_s=float(rng.uniform(0.5, 3.0)))
+
+    if profile is Profile.honest:
+        return GroupPlan(group())
+    if profile is Profile.noisy:
+        mode = rng.random()
+        if mode < 0.35:
+            return GroupPlan(group(sigma=0.05, spike=True))
+        if mode < 0.7:
+            return GroupPlan(group(sigma=0.9))
+        return GroupPlan(group(sigma=0.1))
+    if profile is Profile.stale:
+        # Renews its lease while it dawdles, so the group arrives many versions late.
+        return GroupPlan(group(), hold_s=float(rng.uniform(6.0, 16.0)))
+    if profile is Profile.toxic_tokenizer:
+        other = hashlib.sha256(b"some-other-tokenizer").hexdigest()
+        trajectories = [_trajectory(rng, grant, i, sigma=0.003, out_of_vocab=True) for i in range(size)]
+        return GroupPlan(client.group_for(grant, trajectories, tokenizer_hash=other))
+    if profile is Profile.toxic_precision:
+        if leases_seen % 2 == 0:
+            trajectories = [_trajectory(rng, grant, i, sigma=0.02) for i in range(size)]
+            return GroupPlan(client.group_for(grant, trajectories, precision_class="fp8"))
+        return GroupPlan(group(sigma=0.02, forbidden_share=0.2))
+    if profile is Profile.no_logprobs:
+        return GroupPlan(group(drop_logprobs=True))
+    if profile is Profile.version_drift:
+        version = grant.lease.policy_version
+        previous = max(version - 1, 0)
+        trajectories = [_trajectory(rng, grant, i, sigma=0.003) for i in range(size)]
+        drifted = client.group_for(
+            grant, trajectories, policy_version=previous,
+            checkpoint_digest=synthetic.checkpoint_digest(previous if version else version + 1000),
+        )
+        return GroupPlan(drifted)
+    if profile is Profile.crashing:
+        if leases_seen == 1:
+            return GroupPlan(hang_until_expiry=True)
+        return GroupPlan(crash=True)
+    raise ValueError(f"unknown profile {profile}")
+
+
+def reload_digest(profile: Profile, version: int, lied_before: bool) -> str:
+    """The digest a profile reports when it acks `version`: version-drift lies once, on its
+    first reload after the initial policy (it still holds the old weights)."""
+    if profile is Profile.version_drift and version >= 1 and not lied_before:
+        return synthetic.checkpoint_digest(version - 1)
+    return synthetic.checkpoint_digest(version)

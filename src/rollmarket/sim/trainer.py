@@ -1,0 +1,125 @@
+"""A simulated trainer process: `python -m rollmarket.sim.trainer --url URL --token T`.
+
+Each step it enqueues jobs for the current policy, fetches fresh groups, scores them against
+the synthetic model's logprobs (standing in for teacher forcing), lets the gate decide, reports
+decisions and feedback, "trains", and publishes the next policy version and waits for its
+reload quorum. Every few steps it also draws from the replay tier. One JSON line per step goes
+to --metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ..client import ExchangeError, TrainerClient
+from ..contracts import DecisionStatus, RolloutJob, TaskSpec, Tier
+from ..gate import GateConfig, budget_report, decide
+from . import synthetic
+
+
+def trainer_logprobs(group) -> list[np.ndarray]:
+    """The trainer's logprobs of each trajectory's response, at the group's policy version."""
+    return [
+        synthetic.reference_logprobs(t.prompt_token_ids, t.response_token_ids, group.policy_version)
+        for t in group.trajectories
+    ]
+
+
+def make_jobs(step: int, version: int, count: int, group_size: int) -> list[RolloutJob]:
+    return [
+        RolloutJob(
+            job_id=f"job-s{step:03d}-{i:02d}", idempotency_key=f"demo-step{step}-job{i}",
+            task=TaskSpec(task_id=f"arith-{step}-{i}", prompt=f"What is {step * 7 + i} + {i * 13}?",
+                          verifier="numeric", answer=step * 7 + i + i * 13),
+            policy_version=version, group_size=group_size, sampling_config=synthetic.demo_sampling(),
+            max_context_tokens=2048,
+        )
+        for i in range(count)
+    ]
+
+
+def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, metrics_path: Path,
+        stop_file: Path | None, step_seconds: float, replay_every: int) -> int:
+    gate = GateConfig()
+    trainer = TrainerClient(url, token, trainer_id="sim-trainer", retries=8)
+    out = open(metrics_path, "a", buffering=1)
+    version = 0
+    trainer.publish_policy(synthetic.policy_manifest(version))
+    trainer.wait_for_quorum(version, timeout=120)
+    totals: Counter = Counter()
+    for step in range(steps):
+        started = time.time()
+        trainer.enqueue(make_jobs(step, version, jobs_per_step, group_size))
+        decisions: Counter = Counter()
+        ess, abs_delta = [], []
+        deadline = time.time() + step_seconds
+        while time.time() < deadline:
+            batch = trainer.fetch(tier=Tier.fresh, limit=32)
+            for fetched in batch.groups:
+                group = fetched.group
+                report = budget_report(group, trainer_logprobs(group), policy_lag_steps=fetched.current_lag,
+                                       config=gate)
+                decision = decide(report, gate, decided_by="sim-trainer")
+                trainer.report(group.group_id, decision)
+                decisions[decision.status.value] += 1
+                ess.append(report.token_ess)
+                abs_delta.append(report.mean_abs_delta)
+            if not batch.groups:
+                time.sleep(0.1)
+        replay_served = 0
+        if replay_every and step % replay_every == replay_every - 1:
+            # Replay is served only because it is asked for; the demo counts what comes back.
+            replay_served = len(trainer.fetch(tier=Tier.replay, limit=8).groups)
+        totals.update(decisions)
+        previous = version
+        version += 1
+        trainer.publish_policy(synthetic.policy_manifest(version))
+        try:
+            pool = trainer.wait_for_quorum(version, timeout=30)
+            quorum = f"{pool.acks}/{pool.quorum}"
+        except ExchangeError:
+            quorum = "timeout"
+        line = {
+            "step": step, "policy_version": previous, "next_version": version, "quorum": quorum,
+            "num_groups": sum(decisions.values()), "replay_served": replay_served,
+            **{f"gate/{status.value}": decisions.get(status.value, 0) for status in DecisionStatus
+               if status is not DecisionStatus.reject},
+            "rollout_corr/token_ess_mean": float(np.mean(ess)) if ess else None,
+            "rollout_corr/mean_abs_delta": float(np.mean(abs_delta)) if abs_delta else None,
+            "timing_s/step": round(time.time() - started, 3),
+        }
+        out.write(json.dumps(line) + "\n")
+        if stop_file is not None and stop_file.exists():
+            break
+    out.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--token", default=os.environ.get("ROLLMARKET_TRAINER_TOKEN"),
+                        help="Trainer token (default: $ROLLMARKET_TRAINER_TOKEN).")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--jobs-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--metrics", type=Path, required=True)
+    parser.add_argument("--stop-file", type=Path, default=None)
+    parser.add_argument("--step-seconds", type=float, default=1.5)
+    parser.add_argument("--replay-every", type=int, default=3)
+    args = parser.parse_args(argv)
+    if not args.token:
+        parser.error("--token or ROLLMARKET_TRAINER_TOKEN is required")
+    return run(args.url, args.token, args.steps, args.jobs_per_step, args.group_size, args.metrics,
+               args.stop_file, args.step_seconds, args.replay_every)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -61,6 +61,8 @@ class ExchangeProcess:
         cmd = [sys.executable, "-m", "rollmarket", "exchange", "serve", "--db", str(self.db),
                "--port", str(self.port), "--trainer-token", TRAINER_TOKEN, "--log-level", "warning",
                *self.args]
+        if getattr(self, "_log_file", None):
+            self._log_file.close()
         self._log_file = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

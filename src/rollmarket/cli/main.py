@@ -117,7 +117,7 @@ def exchange_audit(url: str, token: str, kind: str | None, subject: str | None, 
 @click.option("--steps", default=12, show_default=True, help="Most trainer steps (policy versions).")
 @click.option("--min-steps", default=6, show_default=True, help="Steps to run before stopping once every path fired.")
 @click.option("--timeout", default=240.0, show_default=True, help="Give up after this many seconds.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", default=0, show_default=True, help="Seed of the simulated workers.")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
               help="Simulated worker profiles with synthetic logprobs (the only mode until real engines land).")
 def demo(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool) -> None:

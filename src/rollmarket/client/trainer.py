@@ -84,22 +84,20 @@ class TrainerClient:
             "trainer_id": self.trainer_id,
         }
         result = self.http.call("GET", "/v1/groups", params=params, answer=FetchResult)
-        if self.verify_hashes:
-            for fetched in result.groups:
-                self._verify(fetched)
-        return result
+        return result.model_copy(update={"groups": [self._checked(g) for g in result.groups]})
 
     def group(self, group_id: str) -> FetchedGroup:
         fetched = self.http.call("GET", f"/v1/groups/{group_id}", answer=FetchedGroup, idempotent=True)
-        if self.verify_hashes:
-            self._verify(fetched)
-        return fetched
+        return self._checked(fetched)
 
-    @staticmethod
-    def _verify(fetched: FetchedGroup) -> None:
+    def _checked(self, fetched: FetchedGroup) -> FetchedGroup:
+        """Verify the content hash, then stamp the group with its current lag (not hashed), so
+        that `budget_report(fetched.group, ...)` sees how stale it is."""
         group = fetched.group
-        if group.content_hash != content_hash(group):
+        if self.verify_hashes and group.content_hash != content_hash(group):
             raise IntegrityError(f"group {group.group_id} does not match its content hash")
+        stamped = group.model_copy(update={"policy_lag_steps": fetched.current_lag})
+        return fetched.model_copy(update={"group": stamped})
 
     def report(self, group_id: str, decision: GroupDecision | None = None,
                feedback: TrainerFeedback | None | bool = True) -> ReportReceipt:

@@ -14,6 +14,7 @@ from ..contracts import (
     LeaseGrant,
     ReloadAck,
     ReloadStatus,
+    RolloutLease,
     SampleGroup,
     SubmissionReceipt,
     Trajectory,
@@ -113,6 +114,10 @@ class WorkerClient:
         """Submit a group; safe to retry (the exchange answers a resubmission with the same receipt)."""
         return self.http.call("POST", "/v1/groups", body=self.seal(group), answer=SubmissionReceipt,
                               idempotent=True)
+
+    def renew(self, lease_id: str) -> RolloutLease:
+        """Extend a lease by another TTL; raises Conflict once it has expired or ended."""
+        return self.http.call("POST", f"/v1/leases/{lease_id}/renew", answer=RolloutLease, idempotent=True)
 
     def fail(self, lease_id: str, kind: FailureKind | str = FailureKind.engine_error, message: str = "",
              *, retryable: bool = True) -> str:

@@ -9,11 +9,23 @@ msgpack encoder can ship its bytes); in JSON mode it dumps as a list, because JS
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Annotated, Any
 
 import numpy as np
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic_core import PydanticCustomError, core_schema
+
+
+@lru_cache(maxsize=64)
+def _dtype_bounds(dtype: np.dtype) -> tuple[float, float]:
+    """The smallest and largest value a dtype can hold."""
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return info.min, info.max
+    if dtype.kind == "b":
+        return 0, 1
+    return -np.inf, np.inf
 
 
 @dataclass(frozen=True)
@@ -40,7 +52,9 @@ class ArraySpec:
                     {"name": self.name, "error": str(exc)},
                 ) from None
             if array.size == 0:
-                array = np.zeros((0,) * self.ndim, dtype=self.dtype)
+                # `[]` stands for an empty array of any rank; `[[]]` keeps its (wrong) rank.
+                shape = (0,) * self.ndim if array.shape == (0,) else array.shape
+                array = np.zeros(shape, dtype=self.dtype)
         else:
             raise PydanticCustomError(
                 "array_type", "{name}: expected an array or a list, got {got}",
@@ -57,10 +71,11 @@ class ArraySpec:
                 {"name": self.name, "got": str(array.dtype), "want": self.dtype},
             )
         if array.size and (self.min_value is not None or self.max_value is not None):
-            # Range-check before any cast so that 2**40 cannot wrap into a valid token id.
-            low, high = array.min(), array.max()
-            if (self.min_value is not None and low < self.min_value) or (
-                self.max_value is not None and high > self.max_value
+            # Range-check before any cast so that 2**40 cannot wrap into a valid token id. Bounds
+            # the dtype already guarantees are skipped: an int32 id array needs only its minimum.
+            low_bound, high_bound = _dtype_bounds(array.dtype)
+            if (self.min_value is not None and low_bound < self.min_value and array.min() < self.min_value) or (
+                self.max_value is not None and high_bound > self.max_value and array.max() > self.max_value
             ):
                 raise PydanticCustomError(
                     "array_range", "{name}: values must lie in [{lo}, {hi}]",
@@ -71,8 +86,13 @@ class ArraySpec:
             array = array.astype(target)
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
-        if array is value and array.flags.writeable:
-            # Never freeze an array the caller still holds and may write to: own a copy.
+        root = array
+        while isinstance(root, np.ndarray):
+            root = root.base
+        if array is value and not isinstance(root, bytes):
+            # Never freeze or alias an array the caller still holds and may write to (a read-only
+            # view of a writeable array, or one whose flag can be set back): own a copy. Only
+            # views of immutable bytes, as the wire decoder makes, are kept without a copy.
             array = array.copy()
         array.flags.writeable = False
         return array

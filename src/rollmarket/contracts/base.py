@@ -67,6 +67,7 @@ class Record(BaseModel):
         allow_inf_nan=False,
         use_enum_values=False,
         ser_json_timedelta="float",
+        ser_json_inf_nan="constants",
     )
 
     def __eq__(self, other: object) -> bool:

@@ -144,6 +144,9 @@ class RolloutLease(Record):
 class NoLeaseReason(str, Enum):
     no_policy = "no_policy"
     reload_required = "reload_required"
+    """A newer policy is published: load it and ack before leasing (see `policy`)."""
+    awaiting_quorum = "awaiting_quorum"
+    """The worker runs the newest version, which has not reached its reload quorum yet."""
     at_capacity = "at_capacity"
     queue_empty = "queue_empty"
     no_matching_jobs = "no_matching_jobs"

@@ -20,8 +20,11 @@ class WorkerSummary(Record):
     loaded_version: int | None
     aligned: bool
     active_leases: int
-    quality: float = Field(description="EWMA of trainer feedback scores, prior 0.5.")
+    quality: float = Field(
+        description="EWMA of trainer feedback scores (prior 0.5); a rejected submission scores 0."
+    )
     feedback_count: int
+    rejected_count: int
     price_hint: float
     last_heartbeat_at: UtcDatetime
     registered_at: UtcDatetime

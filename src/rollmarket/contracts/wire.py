@@ -10,6 +10,7 @@ logprob array costs no per-element work on either side. Datetimes use msgpack's 
 
 from __future__ import annotations
 
+import math
 import struct
 from enum import Enum
 from typing import Any
@@ -29,6 +30,7 @@ _DTYPES = ["int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint
 _CODE_OF = {np.dtype(name).newbyteorder("<") if np.dtype(name).itemsize > 1 else np.dtype(name): i
             for i, name in enumerate(_DTYPES)}
 _DTYPE_OF = {i: dtype for dtype, i in _CODE_OF.items()}
+_MAX_NDIM = 8
 
 
 class WireError(ValueError):
@@ -40,6 +42,8 @@ def _encode_array(array: np.ndarray) -> msgpack.ExtType:
     code = _CODE_OF.get(dtype)
     if code is None:
         raise TypeError(f"arrays of dtype {array.dtype} do not travel on the wire")
+    if array.ndim > _MAX_NDIM:
+        raise TypeError(f"arrays of rank {array.ndim} do not travel on the wire (at most {_MAX_NDIM})")
     if array.dtype != dtype or not array.flags.c_contiguous:
         array = np.ascontiguousarray(array, dtype=dtype)
     header = struct.pack(f"<BB{array.ndim}I", code, array.ndim, *array.shape)
@@ -74,13 +78,13 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise WireError("truncated array header")
     dtype = _DTYPE_OF.get(data[0])
     ndim = data[1]
-    if dtype is None or ndim > 8:
+    if dtype is None or ndim > _MAX_NDIM:
         raise WireError(f"bad array header (dtype code {data[0]}, ndim {ndim})")
     offset = 2 + 4 * ndim
     if len(data) < offset:
         raise WireError("truncated array shape")
     shape = struct.unpack_from(f"<{ndim}I", data, 2)
-    count = int(np.prod(shape, dtype=np.int64)) if ndim else 1
+    count = math.prod(shape)
     if len(data) - offset != count * dtype.itemsize:
         raise WireError(f"array payload of {len(data) - offset} bytes does not fit shape {shape}")
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)

@@ -39,6 +39,7 @@ from ..contracts import (
     ReloadStatus,
     ReportReceipt,
     RolloutJob,
+    RolloutLease,
     SampleGroup,
     SubmissionReceipt,
     Tier,
@@ -220,6 +221,13 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         """Lease one job that fits this worker, or learn why there is none."""
         worker_id = exchange.worker_of(authz(request))
         return respond(request, await exchange.lease(worker_id, wait_s))
+
+    @app.post("/v1/leases/{lease_id}/renew", tags=["workers"],
+              responses={200: {"model": RolloutLease}, **_ERRORS})
+    async def renew_lease(request: Request, lease_id: str) -> Response:
+        """Extend a lease the worker still works on by another lease TTL (long agent rollouts)."""
+        worker_id = exchange.worker_of(authz(request))
+        return respond(request, await exchange.renew(worker_id, lease_id))
 
     @app.post("/v1/leases/{lease_id}/fail", tags=["workers"], openapi_extra=_body(FailureReport),
               responses={200: {"model": JobStateAnswer}, **_ERRORS})

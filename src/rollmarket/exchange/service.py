@@ -22,6 +22,7 @@ from ..contracts import (
     ReloadStatus,
     ReportReceipt,
     RolloutJob,
+    RolloutLease,
     SampleGroup,
     SubmissionReceipt,
     TrainerFeedback,
@@ -42,7 +43,7 @@ from .stores.sqlite import SqliteStore
 log = logging.getLogger(__name__)
 
 _WAIT_FOR_WORK = {NoLeaseReason.queue_empty, NoLeaseReason.no_matching_jobs, NoLeaseReason.deferred,
-                  NoLeaseReason.no_policy}
+                  NoLeaseReason.no_policy, NoLeaseReason.awaiting_quorum}
 
 
 class Exchange:
@@ -179,6 +180,9 @@ class Exchange:
             self.metrics.groups_stored.labels(receipt.tier.value).inc()
         return receipt
 
+    async def renew(self, worker_id: str, lease_id: str) -> RolloutLease:
+        return await self.store.renew_lease(worker_id, lease_id, time.time())
+
     async def fail(self, worker_id: str, lease_id: str, report: FailureReport) -> str:
         state = await self.store.fail_lease(worker_id, lease_id, report, time.time())
         self.metrics.lease_endings.labels("failed").inc()
@@ -194,7 +198,7 @@ class Exchange:
             if fault.code is ErrorCode.digest_mismatch:
                 self.metrics.reload_violations.inc()
             raise
-        if status.aligned:
+        if status.active_version == status.published_version:
             self._notify_work()
         return status
 

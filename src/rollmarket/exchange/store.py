@@ -24,6 +24,7 @@ from ..contracts import (
     ReloadAck,
     ReloadStatus,
     RolloutJob,
+    RolloutLease,
     SampleGroup,
     SubmissionReceipt,
     Tier,
@@ -126,6 +127,9 @@ class Store(ABC):
     @abstractmethod
     async def submit(self, group: SampleGroup, payload: bytes, findings: list[Finding],
                      now: float) -> SubmitOutcome: ...
+
+    @abstractmethod
+    async def renew_lease(self, worker_id: str, lease_id: str, now: float) -> RolloutLease: ...
 
     @abstractmethod
     async def fail_lease(self, worker_id: str, lease_id: str, report: FailureReport, now: float) -> str: ...

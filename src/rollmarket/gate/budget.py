@@ -10,6 +10,9 @@ import numpy as np
 from ..contracts import BudgetReport, SampleGroup, Trajectory
 from .config import GateConfig
 
+IMPOSSIBLE_LOGPROB = 1e4
+"""Magnitude that stands in for an infinite trainer logprob."""
+
 
 def valid_token_mask(trajectory: Trajectory) -> np.ndarray:
     """bool [T]: tokens the policy produced that are not tool output."""
@@ -36,7 +39,10 @@ def budget_from_arrays(
     `sequence_ids_N` says which sequence each token belongs to (0 .. n_sequences-1).
     """
     rollout_N = np.asarray(rollout_logprobs_N, dtype=np.float64)
-    trainer_N = np.asarray(trainer_logprobs_N, dtype=np.float64)
+    # A trainer logprob of -inf (or NaN) marks a token the trainer deems impossible: give it a
+    # huge finite Δ so the report stays finite and the veto quarantines the group.
+    trainer_N = np.nan_to_num(np.asarray(trainer_logprobs_N, dtype=np.float64),
+                              nan=-IMPOSSIBLE_LOGPROB, neginf=-IMPOSSIBLE_LOGPROB, posinf=0.0)
     if rollout_N.shape != trainer_N.shape or rollout_N.ndim != 1:
         raise ValueError(f"logprob shapes differ: {rollout_N.shape} vs {trainer_N.shape}")
     n = rollout_N.shape[0]
@@ -97,7 +103,8 @@ def router_flip_rate(
     """
     flips = 0
     positions = 0
-    for rollout_TLK, trainer_TLK, valid_T in zip(rollout_experts, trainer_experts, valid_masks):
+    for rollout_TLK, trainer_TLK, valid_T in zip(rollout_experts, trainer_experts, valid_masks,
+                                                  strict=True):
         if rollout_TLK.shape[:2] != trainer_TLK.shape[:2]:
             raise ValueError(f"routed expert shapes differ: {rollout_TLK.shape} vs {trainer_TLK.shape}")
         differ_TL = rollout_TLK[valid_T, :, 0] != trainer_TLK[valid_T, :, 0]

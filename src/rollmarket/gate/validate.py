@@ -13,7 +13,7 @@ from datetime import datetime
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ..contracts import LeaseState, RejectionReason, RolloutLease, SampleGroup, content_hash
+from ..contracts import LeaseState, RejectionReason, RolloutLease, SampleGroup, Trajectory, content_hash
 from .config import GateConfig
 from .integrity import signature_valid
 
@@ -36,57 +36,87 @@ def reasons_of(findings: list[Finding]) -> list[RejectionReason]:
 def check_group(group: SampleGroup, config: GateConfig = GateConfig()) -> list[Finding]:
     """Checks that need nothing but the group: token ids, logprobs, masks, lengths, hash."""
     findings: list[Finding] = []
-    add = findings.append
-    for index, t in enumerate(group.trajectories):
-        if t.prompt_token_ids is None or t.prompt_token_ids.shape[0] == 0:
-            add(Finding(RejectionReason.missing_token_ids, "prompt_token_ids are missing", index))
-        n = t.num_response_tokens
-        if t.response_token_ids is None or n == 0:
-            add(Finding(RejectionReason.missing_token_ids, "response_token_ids are missing", index))
-            continue
-        lengths = {
-            "logprobs": None if t.logprobs is None else t.logprobs.shape[0],
-            "action_mask": None if t.action_mask is None else t.action_mask.shape[0],
-            "tool_output_mask": None if t.tool_output_mask is None else t.tool_output_mask.shape[0],
-            "routed_experts": None if t.routed_experts is None else t.routed_experts.shape[0],
-        }
-        for name, length in lengths.items():
-            if length is not None and length != n:
-                add(Finding(RejectionReason.length_mismatch,
-                            f"{name} has {length} entries for {n} response tokens", index))
-        action_T = None
-        if t.action_mask is not None and t.action_mask.shape[0] == n:
-            action_T = t.action_mask.astype(bool)
-        if t.logprobs is None:
-            add(Finding(RejectionReason.missing_logprobs, "logprobs are missing", index))
-        elif t.logprobs.shape[0] == n:
-            finite_T = np.isfinite(t.logprobs)
-            if not finite_T.all():
-                bad = int(np.flatnonzero(~finite_T)[0])
-                add(Finding(RejectionReason.non_finite_logprobs,
-                            f"logprob at position {bad} is {t.logprobs[bad]}", index))
-            sampled = t.logprobs if action_T is None else t.logprobs[action_T]
-            sampled = sampled[np.isfinite(sampled)]
-            if sampled.size and float(sampled.max()) > config.logprob_tolerance:
-                add(Finding(RejectionReason.logprob_out_of_range,
-                            "a sampled token has a logprob above zero", index))
-        if (action_T is not None and t.tool_output_mask is not None
-                and t.tool_output_mask.shape[0] == n
-                and bool((action_T & t.tool_output_mask.astype(bool)).any())):
-            add(Finding(RejectionReason.invalid_mask,
-                        "a token is marked both action and tool output", index))
-        if t.turn_boundaries and (
-            any(b < 0 or b >= n for b in t.turn_boundaries)
-            or any(a >= b for a, b in zip(t.turn_boundaries, t.turn_boundaries[1:]))
-        ):
-            add(Finding(RejectionReason.invalid_mask,
-                        "turn_boundaries must be increasing offsets inside the response", index))
+    shaped = [index for index, t in enumerate(group.trajectories) if _check_structure(t, index, findings)]
+    # Value checks run once over the whole group; only a group that fails one is walked sample
+    # by sample to say where. Most groups are fine, and this keeps numpy calls per group constant.
+    if len(shaped) != len(group.trajectories) or not _values_ok(group.trajectories, config):
+        for index in shaped:
+            _check_values(group.trajectories[index], index, config, findings)
     if group.content_hash is None:
-        add(Finding(RejectionReason.hash_mismatch, "content_hash is missing"))
+        findings.append(Finding(RejectionReason.hash_mismatch, "content_hash is missing"))
     elif group.content_hash != content_hash(group):
-        add(Finding(RejectionReason.hash_mismatch,
-                    "content_hash does not match the group's canonical bytes"))
+        findings.append(Finding(RejectionReason.hash_mismatch,
+                                "content_hash does not match the group's canonical bytes"))
     return findings
+
+
+def _check_structure(t: Trajectory, index: int, findings: list[Finding]) -> bool:
+    """Presence and lengths; True when the trajectory's arrays are there and agree in length."""
+    add = findings.append
+    if t.prompt_token_ids is None or t.prompt_token_ids.shape[0] == 0:
+        add(Finding(RejectionReason.missing_token_ids, "prompt_token_ids are missing", index))
+    n = t.num_response_tokens
+    if t.response_token_ids is None or n == 0:
+        add(Finding(RejectionReason.missing_token_ids, "response_token_ids are missing", index))
+        return False
+    shaped = True
+    for name in ("logprobs", "action_mask", "tool_output_mask", "routed_experts"):
+        array = getattr(t, name)
+        if array is not None and array.shape[0] != n:
+            add(Finding(RejectionReason.length_mismatch,
+                        f"{name} has {array.shape[0]} entries for {n} response tokens", index))
+            shaped = False
+    if t.logprobs is None:
+        add(Finding(RejectionReason.missing_logprobs, "logprobs are missing", index))
+        shaped = False
+    if t.turn_boundaries and (
+        any(b < 0 or b >= n for b in t.turn_boundaries)
+        or any(a >= b for a, b in zip(t.turn_boundaries, t.turn_boundaries[1:]))
+    ):
+        add(Finding(RejectionReason.invalid_mask,
+                    "turn_boundaries must be increasing offsets inside the response", index))
+    return shaped
+
+
+def _values_ok(trajectories: list[Trajectory], config: GateConfig) -> bool:
+    """True when every logprob is finite and at most the tolerance where sampled, and no token
+    is both action and tool output. Expects every trajectory to have passed _check_structure."""
+    logprobs_N = np.concatenate([t.logprobs for t in trajectories])
+    if not np.isfinite(logprobs_N).all():
+        return False
+    actions = [t.action_mask for t in trajectories]
+    tools = [t.tool_output_mask for t in trajectories]
+    if all(a is None for a in actions):
+        return float(logprobs_N.max(initial=-np.inf)) <= config.logprob_tolerance
+    action_N = np.concatenate([np.ones(t.num_response_tokens, np.uint8) if a is None else a
+                               for t, a in zip(trajectories, actions)]).view(bool)
+    if float(logprobs_N[action_N].max(initial=-np.inf)) > config.logprob_tolerance:
+        return False
+    if any(m is not None for m in tools):
+        tool_N = np.concatenate([np.zeros(t.num_response_tokens, np.uint8) if m is None else m
+                                 for t, m in zip(trajectories, tools)]).view(bool)
+        if (action_N & tool_N).any():
+            return False
+    return True
+
+
+def _check_values(t: Trajectory, index: int, config: GateConfig, findings: list[Finding]) -> None:
+    add = findings.append
+    action_T = None if t.action_mask is None else t.action_mask.astype(bool)
+    finite_T = np.isfinite(t.logprobs)
+    if not finite_T.all():
+        bad = int(np.flatnonzero(~finite_T)[0])
+        add(Finding(RejectionReason.non_finite_logprobs,
+                    f"logprob at position {bad} is {t.logprobs[bad]}", index))
+    sampled = t.logprobs if action_T is None else t.logprobs[action_T]
+    sampled = sampled[np.isfinite(sampled)]
+    if sampled.size and float(sampled.max()) > config.logprob_tolerance:
+        add(Finding(RejectionReason.logprob_out_of_range,
+                    "a sampled token has a logprob above zero", index))
+    if (action_T is not None and t.tool_output_mask is not None
+            and bool((action_T & t.tool_output_mask.astype(bool)).any())):
+        add(Finding(RejectionReason.invalid_mask,
+                    "a token is marked both action and tool output", index))
 
 
 def check_against_lease(

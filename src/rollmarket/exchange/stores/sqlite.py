@@ -53,7 +53,7 @@ from ...contracts import (
     new_id,
 )
 from ...gate import Finding, check_against_lease, load_public_key, triage_on_arrival
-from ..dispatch import lease_requirements, policy_mismatch, rank_of, worker_score
+from ..dispatch import job_mismatch, lease_requirements, policy_mismatch, rank_of, worker_score
 from ..errors import ExchangeFault
 from ..settings import ExchangeSettings
 from ..store import FetchBatch, FetchFilter, ReapResult, StoredGroup, Store, SubmitOutcome
@@ -92,6 +92,7 @@ CREATE TABLE IF NOT EXISTS workers (
     active_leases INTEGER NOT NULL DEFAULT 0,
     quality REAL NOT NULL,
     feedback_count INTEGER NOT NULL DEFAULT 0,
+    rejected_count INTEGER NOT NULL DEFAULT 0,
     price REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS reload_acks (
@@ -158,10 +159,11 @@ CREATE INDEX IF NOT EXISTS groups_serve ON groups (tier, status, seq);
 CREATE TABLE IF NOT EXISTS served (
     group_id TEXT NOT NULL,
     trainer_id TEXT NOT NULL,
+    tier TEXT NOT NULL,
     count INTEGER NOT NULL,
     first_at REAL NOT NULL,
     last_at REAL NOT NULL,
-    PRIMARY KEY (group_id, trainer_id)
+    PRIMARY KEY (group_id, trainer_id, tier)
 );
 CREATE TABLE IF NOT EXISTS decisions (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -486,6 +488,18 @@ class SqliteStore(Store):
             result.failed_jobs.append(job_id)
         return new_state
 
+    def _record_rejection(self, conn: sqlite3.Connection, now: float, group: SampleGroup,
+                          findings: list[Finding]) -> None:
+        """A rejection stores nothing of the group, but it counts against the worker's quality
+        (as a feedback score of 0) so that dispatch stops preferring it."""
+        reasons = list(dict.fromkeys(f.reason.value for f in findings))
+        conn.execute(
+            "UPDATE workers SET quality = (1 - :a) * quality, rejected_count = rejected_count + 1"
+            " WHERE worker_id = :w", {"a": self.settings.feedback_alpha, "w": group.worker_id},
+        )
+        self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id,
+                    {"group_id": group.group_id, "reasons": reasons})
+
     def _touch_worker(self, conn: sqlite3.Connection, worker_id: str, now: float) -> sqlite3.Row:
         row = conn.execute("SELECT * FROM workers WHERE worker_id=?", (worker_id,)).fetchone()
         if row is None:
@@ -583,12 +597,16 @@ class SqliteStore(Store):
             if latest is None:
                 return LeaseGrant(reason=NoLeaseReason.no_policy, retry_after_s=1.0,
                                   detail="no policy has been published yet")
-            policy = self._policy(conn, active)
-            if policy is None or row["loaded_version"] != active or row["loaded_digest"] != policy.checkpoint_digest:
-                detail = ("no version has reached its reload quorum yet" if policy is None
-                          else f"load policy version {active} and ack it before leasing")
-                return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest,
-                                  detail=detail, retry_after_s=0.5)
+            # Workers always move to the newest published version; leases flow again once the
+            # reload quorum has made that version active.
+            if row["loaded_version"] != published:
+                return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest, retry_after_s=0.5,
+                                  detail=f"load policy version {published} and ack it before leasing")
+            if active != published:
+                needed, acks = self._quorum(conn, published)
+                return LeaseGrant(reason=NoLeaseReason.awaiting_quorum, policy=latest, retry_after_s=0.2,
+                                  detail=f"version {published} has {acks}/{needed} reload acks")
+            policy = latest
             mismatch = policy_mismatch(manifest, policy)
             if mismatch:
                 return LeaseGrant(reason=NoLeaseReason.no_matching_jobs, detail=mismatch, retry_after_s=5.0)
@@ -608,7 +626,16 @@ class SqliteStore(Store):
             order = " ORDER BY priority DESC, queued_at, rowid LIMIT 1"
             scores = self._competitors(conn, policy)
             scores.setdefault(worker_id, 0.0)
-            better = sum(1 for w, s in scores.items() if s > scores[worker_id])
+            better_ids = [w for w, s in scores.items() if s > scores[worker_id]]
+            if better_ids:
+                # Only better-ranked workers that can run one of the jobs this worker would take
+                # count: a job only this worker can run is never held back for anyone.
+                mine = [RolloutJob.model_validate_json(r[0]) for r in conn.execute(
+                    "SELECT body" + self._JOB_MATCH + " ORDER BY priority DESC, queued_at, rowid LIMIT :cap",
+                    {**params, "cap": len(better_ids) + 1})]
+                better_ids = [w for w in better_ids
+                              if any(job_mismatch(self._manifest(conn, w), j, policy) is None for j in mine)]
+            better = len(better_ids)
             job = None
             if better == 0:
                 job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
@@ -691,11 +718,10 @@ class SqliteStore(Store):
             lease_row = conn.execute("SELECT body, state, expires_at FROM leases WHERE lease_id=?",
                                      (group.lease_id,)).fetchone()
             if lease_row is None:
-                unknown = [Finding(RejectionReason.unknown_lease, f"no lease {group.lease_id} was issued")]
-                self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id, {
-                    "group_id": group.group_id, "reasons": [RejectionReason.unknown_lease.value],
-                })
-                return SubmitOutcome(receipt=None, rejected=list(findings) + unknown)
+                unknown = list(findings) + [
+                    Finding(RejectionReason.unknown_lease, f"no lease {group.lease_id} was issued")]
+                self._record_rejection(conn, now, group, unknown)
+                return SubmitOutcome(receipt=None, rejected=unknown)
             lease = RolloutLease.model_validate_json(lease_row["body"])
             lease = lease.model_copy(update={"state": LeaseState(lease_row["state"])})
             if lease.worker_id != group.worker_id:
@@ -708,10 +734,7 @@ class SqliteStore(Store):
                 public_key=self._public_key(manifest),
             )
             if all_findings:
-                self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id, {
-                    "group_id": group.group_id,
-                    "reasons": list(dict.fromkeys(f.reason.value for f in all_findings)),
-                })
+                self._record_rejection(conn, now, group, all_findings)
                 return SubmitOutcome(receipt=None, rejected=all_findings)
             active, _ = self._pool(conn)
             lag = max(0, (active or 0) - group.policy_version)
@@ -743,6 +766,28 @@ class SqliteStore(Store):
 
         return await self._write(tx)
 
+    async def renew_lease(self, worker_id: str, lease_id: str, now: float) -> RolloutLease:
+        def tx(conn: sqlite3.Connection) -> RolloutLease:
+            row = conn.execute("SELECT worker_id, state, expires_at, body FROM leases WHERE lease_id=?",
+                               (lease_id,)).fetchone()
+            if row is None:
+                raise _fault(ErrorCode.not_found, f"unknown lease {lease_id}")
+            if row["worker_id"] != worker_id:
+                raise _fault(ErrorCode.forbidden, f"lease {lease_id} belongs to another worker")
+            if row["state"] != "issued" or row["expires_at"] <= now:
+                state = row["state"] if row["state"] != "issued" else "expired"
+                raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is {state}",
+                                    details={"state": state})
+            self._touch_worker(conn, worker_id, now)
+            expires = now + self.settings.lease_ttl_s
+            lease = RolloutLease.model_validate_json(row["body"]).model_copy(update={"expires_at": _ts(expires)})
+            conn.execute("UPDATE leases SET expires_at=?, body=? WHERE lease_id=?",
+                         (expires, lease.model_dump_json(), lease_id))
+            self._audit(conn, now, "lease.renewed", worker_id, lease_id, {"expires_at": expires})
+            return lease
+
+        return await self._write(tx)
+
     async def fail_lease(self, worker_id: str, lease_id: str, report: FailureReport, now: float) -> str:
         def tx(conn: sqlite3.Connection) -> str:
             row = conn.execute("SELECT job_id, worker_id, state FROM leases WHERE lease_id=?",
@@ -763,7 +808,6 @@ class SqliteStore(Store):
 
     async def ack_reload(self, ack: ReloadAck, now: float) -> ReloadStatus:
         def tx(conn: sqlite3.Connection) -> ReloadStatus:
-            self._touch_worker(conn, ack.worker_id, now)
             policy = self._policy(conn, ack.policy_version)
             if policy is None:
                 raise _fault(ErrorCode.not_found, f"policy version {ack.policy_version} was never published")
@@ -783,6 +827,8 @@ class SqliteStore(Store):
                     details={"published_digest": policy.checkpoint_digest,
                              "acked_digest": ack.checkpoint_digest, "conflicting_acks": others},
                 ))
+            # Touched only once the ack is accepted: a refused ack keeps nothing but its violation.
+            self._touch_worker(conn, ack.worker_id, now)
             conn.execute(
                 "INSERT OR REPLACE INTO reload_acks VALUES (?, ?, ?, ?, ?)",
                 (ack.worker_id, ack.policy_version, ack.checkpoint_digest, ack.engine_fingerprint, now),
@@ -918,7 +964,9 @@ class SqliteStore(Store):
                 # answer was lost in transit cannot lose groups.
                 where.append("(s.group_id IS NULL OR s.last_at <= :redeliver)")
                 params["redeliver"] = now - self.settings.redeliver_after_s
-            base = (" FROM groups g LEFT JOIN served s ON s.group_id = g.group_id AND s.trainer_id = :trainer"
+            # Served-ness is per tier: a group a decision moved to replay can be served from there.
+            base = (" FROM groups g LEFT JOIN served s ON s.group_id = g.group_id"
+                    " AND s.trainer_id = :trainer AND s.tier = g.tier"
                     " WHERE " + " AND ".join(where))
             order = " ORDER BY g.seq DESC" if query.newest_first else " ORDER BY g.seq"
             rows = conn.execute(
@@ -929,9 +977,10 @@ class SqliteStore(Store):
             groups = []
             for row in rows:
                 conn.execute(
-                    "INSERT INTO served (group_id, trainer_id, count, first_at, last_at) VALUES (?, ?, 1, ?, ?)"
-                    " ON CONFLICT (group_id, trainer_id) DO UPDATE SET count = count + 1, last_at = excluded.last_at",
-                    (row["group_id"], query.trainer_id, now, now),
+                    "INSERT INTO served (group_id, trainer_id, tier, count, first_at, last_at)"
+                    " VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (group_id, trainer_id, tier)"
+                    " DO UPDATE SET count = count + 1, last_at = excluded.last_at",
+                    (row["group_id"], query.trainer_id, row["tier"], now, now),
                 )
                 groups.append(StoredGroup(
                     group_id=row["group_id"], tier=Tier(row["tier"]), status=row["status"],
@@ -1066,7 +1115,8 @@ class SqliteStore(Store):
                 aligned=(policy is not None and row["status"] == "alive"
                          and row["loaded_version"] == active and row["loaded_digest"] == policy.checkpoint_digest),
                 active_leases=row["active_leases"], quality=row["quality"],
-                feedback_count=row["feedback_count"], price_hint=row["price"],
+                feedback_count=row["feedback_count"], rejected_count=row["rejected_count"],
+                price_hint=row["price"],
                 last_heartbeat_at=_ts(row["last_heartbeat_at"]), registered_at=_ts(row["registered_at"]),
             ))
         return summaries

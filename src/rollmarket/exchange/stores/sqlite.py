@@ -627,37 +627,35 @@ class SqliteStore(Store):
             scores = self._competitors(conn, policy)
             scores.setdefault(worker_id, 0.0)
             better_ids = [w for w, s in scores.items() if s > scores[worker_id]]
+            available = 0
             if better_ids:
-                # Only better-ranked workers that can run one of the jobs this worker would take
-                # count: a job only this worker can run is never held back for anyone.
-                mine = [RolloutJob.model_validate_json(r[0]) for r in conn.execute(
-                    "SELECT body" + self._JOB_MATCH + " ORDER BY priority DESC, queued_at, rowid LIMIT :cap",
-                    {**params, "cap": len(better_ids) + 1})]
-                better_ids = [w for w in better_ids
-                              if any(job_mismatch(self._manifest(conn, w), j, policy) is None for j in mine)]
-            better = len(better_ids)
-            job = None
-            if better == 0:
-                job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
-            else:
-                # Leave as many matching jobs as there are better-ranked workers free to take them,
-                # until a job has waited preference_hold_s; then anyone may take it.
                 available = conn.execute(
                     "SELECT COUNT(*) FROM (SELECT 1" + self._JOB_MATCH + " LIMIT :cap)",
-                    {**params, "cap": better + 1},
+                    {**params, "cap": len(better_ids) + 1},
                 ).fetchone()[0]
-                if available > better:
-                    job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
-                else:
-                    job = conn.execute(
-                        "SELECT job_id, body" + self._JOB_MATCH + " AND queued_at <= :cutoff" + order,
-                        {**params, "cutoff": now - self.settings.preference_hold_s},
-                    ).fetchone()
-                    if job is None and available:
-                        return LeaseGrant(
-                            reason=NoLeaseReason.deferred, retry_after_s=0.5,
-                            detail=f"{better} better-ranked worker(s) are free for the {available} matching job(s)",
-                        )
+                if available <= len(better_ids):
+                    # Jobs are scarce. Only better-ranked workers that can run one of them count:
+                    # a job only this worker can run is never held back for anyone.
+                    mine = [RolloutJob.model_validate_json(r[0]) for r in conn.execute(
+                        "SELECT body" + self._JOB_MATCH + " ORDER BY priority DESC, queued_at, rowid LIMIT :cap",
+                        {**params, "cap": available})]
+                    better_ids = [w for w in better_ids
+                                  if any(job_mismatch(self._manifest(conn, w), j, policy) is None for j in mine)]
+            better = len(better_ids)
+            if better == 0 or available > better:
+                job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
+            else:
+                # Leave the matching jobs to the better-ranked workers free to take them until a
+                # job has waited preference_hold_s; then anyone may take it.
+                job = conn.execute(
+                    "SELECT job_id, body" + self._JOB_MATCH + " AND queued_at <= :cutoff" + order,
+                    {**params, "cutoff": now - self.settings.preference_hold_s},
+                ).fetchone()
+                if job is None and available:
+                    return LeaseGrant(
+                        reason=NoLeaseReason.deferred, retry_after_s=0.5,
+                        detail=f"{better} better-ranked worker(s) are free for the {available} matching job(s)",
+                    )
             if job is None:
                 any_queued = conn.execute("SELECT 1 FROM jobs WHERE state='queued' LIMIT 1").fetchone()
                 if any_queued is None:

@@ -281,6 +281,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
             except ExchangeError:
                 pass
         procs.close()
+    stop_file.unlink(missing_ok=True)
     summary = _summarize(config, follower, pool, _trainer_lines(metrics_path), time.monotonic() - started, run_dir)
     write_json(run_dir / "summary.json", summary)
     _print_summary(console, summary)
@@ -333,8 +334,8 @@ def _print_summary(console: Console, summary: dict) -> None:
         mark = "[green]✓[/]" if count else "[red]✗[/]"
         table.add_row(f"{mark} {name}", str(count), PATHS[name])
     console.print(table)
-    workers = Table(title="workers: gate outcomes t/c/r/q = train / with correction / replay / quarantine "
-                          "(r and q include groups triaged by lag on arrival)")
+    workers = Table(title="workers", caption="t/c/r/q: train / with correction / replay / quarantine, "
+                                              "counting groups triaged by lag on arrival")
     for column in ("worker", "quality", "leases", "ok", "rej", "t/c/r/q", "exp/abd"):
         workers.add_column(column, no_wrap=True)
     for worker_id, row in summary["workers"].items():

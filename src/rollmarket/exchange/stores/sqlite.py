@@ -764,18 +764,26 @@ class SqliteStore(Store):
 
         return await self._write(tx)
 
+    @staticmethod
+    def _issued_lease(conn: sqlite3.Connection, worker_id: str, lease_id: str) -> sqlite3.Row:
+        """The lease row, if it exists, is `worker_id`'s and still issued; else the typed fault."""
+        row = conn.execute("SELECT job_id, worker_id, state, expires_at, body FROM leases WHERE lease_id=?",
+                           (lease_id,)).fetchone()
+        if row is None:
+            raise _fault(ErrorCode.not_found, f"unknown lease {lease_id}")
+        if row["worker_id"] != worker_id:
+            raise _fault(ErrorCode.forbidden, f"lease {lease_id} belongs to another worker")
+        if row["state"] != "issued":
+            raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is {row['state']}",
+                                details={"state": row["state"]})
+        return row
+
     async def renew_lease(self, worker_id: str, lease_id: str, now: float) -> RolloutLease:
         def tx(conn: sqlite3.Connection) -> RolloutLease:
-            row = conn.execute("SELECT worker_id, state, expires_at, body FROM leases WHERE lease_id=?",
-                               (lease_id,)).fetchone()
-            if row is None:
-                raise _fault(ErrorCode.not_found, f"unknown lease {lease_id}")
-            if row["worker_id"] != worker_id:
-                raise _fault(ErrorCode.forbidden, f"lease {lease_id} belongs to another worker")
-            if row["state"] != "issued" or row["expires_at"] <= now:
-                state = row["state"] if row["state"] != "issued" else "expired"
-                raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is {state}",
-                                    details={"state": state})
+            row = self._issued_lease(conn, worker_id, lease_id)
+            if row["expires_at"] <= now:  # expired, though the reaper has not swept it yet
+                raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is expired",
+                                    details={"state": "expired"})
             self._touch_worker(conn, worker_id, now)
             expires = now + self.settings.lease_ttl_s
             lease = RolloutLease.model_validate_json(row["body"]).model_copy(update={"expires_at": _ts(expires)})
@@ -788,15 +796,7 @@ class SqliteStore(Store):
 
     async def fail_lease(self, worker_id: str, lease_id: str, report: FailureReport, now: float) -> str:
         def tx(conn: sqlite3.Connection) -> str:
-            row = conn.execute("SELECT job_id, worker_id, state FROM leases WHERE lease_id=?",
-                               (lease_id,)).fetchone()
-            if row is None:
-                raise _fault(ErrorCode.not_found, f"unknown lease {lease_id}")
-            if row["worker_id"] != worker_id:
-                raise _fault(ErrorCode.forbidden, f"lease {lease_id} belongs to another worker")
-            if row["state"] != "issued":
-                raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is {row['state']}",
-                                    details={"state": row["state"]})
+            row = self._issued_lease(conn, worker_id, lease_id)
             self._touch_worker(conn, worker_id, now)
             return self._end_lease(conn, now, lease_id, row["job_id"], worker_id, LeaseState.failed,
                                    retry=report.retryable, actor=worker_id,

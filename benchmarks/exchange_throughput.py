@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import platform
 import secrets
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,31 +49,13 @@ from rollmarket.contracts import (
     content_hash,
 )
 from rollmarket.contracts.wire import MSGPACK, packb
+from rollmarket.localhost import free_port, wait_healthy
 
 SAMPLES = 16
 RESPONSE_TOKENS = 512
 PROMPT_TOKENS = 128
 TOKENIZER = "ab" * 32
 console = Console(width=max(Console().width, 150))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait(url: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise RuntimeError("server did not start")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -158,7 +139,7 @@ def _load_process(mode: str, url: str, workers: list[tuple[int, str, str, dict]]
     async def main() -> None:
         await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
         tasks = []
-        for index, worker_id, token, manifest_data in workers:
+        for index, _, token, manifest_data in workers:
             # Paced workers start spread over one period so that arrivals are even.
             offset = 0.0 if period is None else period * index / total_workers
             out = {"lease": [], "submit": [], "done_at": []}
@@ -207,7 +188,7 @@ uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
 
 
 def _start_server(mode: str, tmp: Path) -> tuple[subprocess.Popen, str, str]:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     token = secrets.token_urlsafe(16)
     if mode.startswith("bare"):
@@ -223,7 +204,7 @@ def _start_server(mode: str, tmp: Path) -> tuple[subprocess.Popen, str, str]:
             env={**os.environ, "ROLLMARKET_TRAINER_TOKEN": token},
             stdout=subprocess.DEVNULL,
         )
-    _wait(url, proc)
+    wait_healthy(url, proc)
     return proc, url, token
 
 
@@ -331,7 +312,7 @@ def main() -> None:
                    "lease p50/p99 ms", "server CPU ms/group"):
         table.add_column(column, justify="right")
     for row in results:
-        def ratio(other: str) -> str:
+        def ratio(other: str, row: dict = row) -> str:
             base = next((r for r in results if r["mode"] == other and r["workers"] == row["workers"]), None)
             if row["paced_tokens_per_s"] is not None:
                 return "-"

@@ -5,17 +5,15 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from rollmarket import TrainerClient, WorkerClient
+from rollmarket.localhost import free_port, wait_healthy
 from rollmarket.contracts import (
     LeaseGrant,
     PolicyManifest,
@@ -34,12 +32,6 @@ def sha(text: str) -> str:
 
 
 TOKENIZER = sha("tokenizer")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -66,17 +58,8 @@ class ExchangeProcess:
         self._log_file = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exchange exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"exchange did not come up:\n{self.log.read_text()}")
+        wait_healthy(self.url, self.proc, log=self.log, timeout=timeout)
+        return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown code runs."""

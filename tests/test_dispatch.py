@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import TOKENIZER, job, manifest, policy, sha
 
-from rollmarket.exchange.dispatch import job_mismatch, lease_requirements, policy_mismatch, rank_of, worker_score
+from rollmarket.exchange.dispatch import job_mismatch, lease_requirements, policy_mismatch, worker_score
 
 # --------------------------------------------------------------------------------------------
 # policy_mismatch
@@ -139,7 +139,7 @@ def test_vocab_size_none_skips_the_check():
 
 
 # --------------------------------------------------------------------------------------------
-# worker_score and rank_of
+# worker_score
 # --------------------------------------------------------------------------------------------
 
 
@@ -157,21 +157,3 @@ def test_worker_score_without_prices_is_the_quality():
     """A pool where nobody states a price (max 0) must not divide by zero."""
     assert worker_score(0.6, 0.0, 0.0, 1.0) == 0.6
 
-
-def test_rank_of_puts_the_best_first():
-    scores = {"w1": 0.2, "w2": 0.9, "w3": 0.5}
-    assert [rank_of(w, scores) for w in ("w2", "w3", "w1")] == [0, 1, 2]
-
-
-def test_rank_of_breaks_ties_by_worker_id():
-    scores = {"w-b": 0.5, "w-c": 0.7, "w-a": 0.5}
-    assert rank_of("w-c", scores) == 0
-    assert rank_of("w-a", scores) == 1
-    assert rank_of("w-b", scores) == 2
-    # insertion order does not matter: every replica agrees
-    assert rank_of("w-a", dict(reversed(list(scores.items())))) == 1
-
-
-def test_rank_of_an_unknown_worker_is_an_error():
-    with pytest.raises(ValueError):
-        rank_of("w-x", {"w1": 0.1})

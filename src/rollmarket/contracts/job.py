@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from .base import Identifier, Record, Sha256Hex, UtcDatetime, canonical_json, new_id, utc_now
+from .base import Identifier, Record, Sha256Hex, UtcDatetime, canonical_json, new_id
 from .policy import PolicyManifest
 
 

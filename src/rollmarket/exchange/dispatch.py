@@ -68,8 +68,3 @@ def worker_score(quality: float, price: float, max_price: float, price_weight: f
     relative_price = price / max_price if max_price > 0 else 0.0
     return quality - price_weight * relative_price
 
-
-def rank_of(worker_id: str, scores: dict[str, float]) -> int:
-    """0 for the best worker; ties broken by worker id so every replica agrees."""
-    ordered = sorted(scores, key=lambda w: (-scores[w], w))
-    return ordered.index(worker_id)

@@ -83,7 +83,7 @@ class Exchange:
             self.metrics.lease_endings.labels("expired").inc()
         for _ in result.abandoned_leases:
             self.metrics.lease_endings.labels("abandoned").inc()
-        if result.changed or result.requeued_jobs:
+        if result.changed:
             self._notify_work()
         return result
 

@@ -20,7 +20,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,12 +27,12 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..client import ExchangeError, TrainerClient
+from ..localhost import free_port, wait_healthy
 from ..runs import code_version, new_run_dir, write_json
 from .profiles import DESCRIPTIONS, Profile
 
@@ -73,12 +72,6 @@ class DemoConfig:
     preference_hold_s: float = 0.5
     max_attempts: int = 8
     workers: list = field(default_factory=lambda: [list(w) for w in DEFAULT_WORKERS])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class _Processes:
@@ -180,20 +173,6 @@ class _AuditFollower:
         }
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the exchange exited early:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError("the exchange did not become healthy")
-
-
 def _trainer_lines(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -205,7 +184,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
     console = console or Console()
     run_dir = new_run_dir(runs_dir)
     (run_dir / "workers").mkdir()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     token = secrets.token_urlsafe(24)
     exchange_args = [
@@ -228,7 +207,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
     try:
         exchange = procs.start("exchange", [sys.executable, "-m", "rollmarket", "exchange", "serve",
                                             *exchange_args], run_dir / "logs" / "exchange.log")
-        _wait_healthy(url, exchange, run_dir / "logs" / "exchange.log")
+        wait_healthy(url, exchange, log=run_dir / "logs" / "exchange.log")
         console.print(f"exchange up on {url} (docs at {url}/docs)")
         for index, (worker_id, profile, price) in enumerate(config.workers):
             procs.start(worker_id, [

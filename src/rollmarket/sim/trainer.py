@@ -53,7 +53,6 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
     version = 0
     trainer.publish_policy(synthetic.policy_manifest(version))
     trainer.wait_for_quorum(version, timeout=120)
-    totals: Counter = Counter()
     for step in range(steps):
         started = time.time()
         trainer.enqueue(make_jobs(step, version, jobs_per_step, group_size))
@@ -77,7 +76,6 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
         if replay_every and step % replay_every == replay_every - 1:
             # Replay is served only because it is asked for; the demo counts what comes back.
             replay_served = len(trainer.fetch(tier=Tier.replay, limit=8).groups)
-        totals.update(decisions)
         previous = version
         version += 1
         trainer.publish_policy(synthetic.policy_manifest(version))

@@ -53,7 +53,7 @@ from ...contracts import (
     new_id,
 )
 from ...gate import Finding, check_against_lease, load_public_key, triage_on_arrival
-from ..dispatch import job_mismatch, lease_requirements, policy_mismatch, rank_of, worker_score
+from ..dispatch import job_mismatch, lease_requirements, policy_mismatch, worker_score
 from ..errors import ExchangeFault
 from ..settings import ExchangeSettings
 from ..store import FetchBatch, FetchFilter, ReapResult, StoredGroup, Store, SubmitOutcome
@@ -308,7 +308,7 @@ class _Writer:
             log.exception("write batch failed; rolling back %d operations", len(batch))
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            for fn, future in batch:
+            for _, future in batch:
                 if future.running():
                     future.set_exception(exc)
             return

@@ -1,9 +1,10 @@
 # The two commands a new user needs: `make demo` and `make test`. Both build .venv from nothing.
+# torch is pinned (==2.13.0) in pyproject.toml: a looser pin pulls a multi-GB CUDA build.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test venv venv-test bench schema clean
+.PHONY: demo test venv venv-test bench models schema clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +28,15 @@ demo: venv
 test: venv-test
 	$(BIN)/python -m pytest
 
-bench: venv
+bench: venv-test
 	$(BIN)/python benchmarks/exchange_throughput.py
+	$(BIN)/python benchmarks/proxy_latency.py
+	$(BIN)/python benchmarks/serve_throughput.py
+	$(BIN)/python benchmarks/teacher_forcing.py
+
+# Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 20 minutes).
+models: venv
+	$(BIN)/rollmarket models build --out models
 
 schema: venv
 	$(BIN)/rollmarket schema --out schema/

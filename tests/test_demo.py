@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_demo_fires_every_path_and_writes_its_run_directory(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "rollmarket", "demo", "--runs-dir", str(tmp_path), "--timeout", "200"],
-        capture_output=True, text=True, timeout=280,
+        capture_output=True, text=True, timeout=280, cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [run_dir] = list(tmp_path.iterdir())
@@ -49,6 +49,14 @@ def test_demo_fires_every_path_and_writes_its_run_directory(tmp_path):
     # Dispatch learned from feedback: honest workers end ranked above the ones that send garbage.
     quality = {w: row["quality"] for w, row in summary["workers"].items()}
     assert min(quality["honest-a"], quality["honest-b"]) > max(quality["toxic-tokenizer"], quality["no-logprobs"])
+
+    # The real engine worker's groups went through teacher forcing: bf16 sampling vs fp32 scoring
+    # of the same tiny MoE agree closely but not exactly, and routing was compared.
+    engine = summary["engine"]
+    assert engine["groups"] > 0, summary["workers"]["engine-bf16"]
+    assert 0.9 < engine["token_ess_mean"] <= 1.0
+    assert 0.0 < engine["mean_abs_delta"] < 0.5
+    assert engine["router_flip_rate"] is not None and 0.0 <= engine["router_flip_rate"] < 0.5
 
     metrics_doc = (ROOT / "docs/metrics.md").read_text()
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

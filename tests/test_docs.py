@@ -84,8 +84,9 @@ def test_every_audit_kind_is_documented():
 
 def test_readme_quickstart_runs_against_a_served_exchange(start_exchange, tmp_path):
     """The README's Python block, verbatim, against a real exchange."""
-    blocks = re.findall(r"```python\n(.*?)```", read("README.md"), flags=re.S)
-    assert blocks, "README has no python quickstart"
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", read("README.md"), flags=re.S)
+              if "TrainerClient" in b]
+    assert blocks, "README has no exchange quickstart"
     script = tmp_path / "quickstart.py"
     script.write_text(blocks[0])
     server = start_exchange()
@@ -97,3 +98,81 @@ def test_readme_quickstart_runs_against_a_served_exchange(start_exchange, tmp_pa
     status = server.trainer().pool()
     assert status.groups.get("fresh", 0) == 0  # consumed by the train decision
     assert status.jobs == {"done": 1}
+
+
+def test_every_serve_route_and_setting_is_documented():
+    from types import SimpleNamespace
+
+    from rollmarket.serve import ServeSettings, create_serve_app
+
+    # The route table needs no model: the app is built but never started.
+    engine = SimpleNamespace(info=SimpleNamespace(name="m", eos_token_ids=(0,)), tokenizer=None)
+    app = create_serve_app(engine, ServeSettings(model_path="m"))
+    doc = (DOCS / "serve.md").read_text()
+    paths = {r.path for r in app.routes if r.path not in ("/docs", "/docs/oauth2-redirect", "/redoc",
+                                                          "/openapi.json")}
+    assert "/v1/chat/completions" in paths
+    missing = [p for p in sorted(paths) if f"{p}`" not in doc]
+    assert not missing, f"routes missing from docs/serve.md: {missing}"
+    flags = [f"--{name.replace('_', '-')}" for name in ServeSettings.model_fields if name != "model_path"]
+    missing = [f for f in flags if f"`{f}`" not in doc]
+    assert not missing, f"settings missing from docs/serve.md: {missing}"
+
+
+def _start(cmd: list[str], log: Path, url: str) -> subprocess.Popen:
+    from rollmarket.localhost import wait_healthy
+
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_healthy(url, proc, log=log, timeout=120)
+    return proc
+
+
+def test_readme_serve_and_proxy_quickstart_runs(tmp_path):
+    """The README's serve + proxy quickstart, verbatim but for the ports, against real processes:
+    the client gets token ids and routed experts back, the proxy captured the call, and the
+    engines snippet runs."""
+    from rollmarket.localhost import free_port
+
+    readme = read("README.md")
+    shell = re.search(r"```bash\n(rollmarket serve-model.*?)```", readme, flags=re.S).group(1)
+    serve_line, proxy_line = [line.rstrip(" &") for line in shell.strip().splitlines()]
+    client_block, engines_block = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+                                   if "OpenAI(" in b or "RolloutEngine" in b][:2]
+    serve_port, proxy_port = free_port(), free_port()
+    store = tmp_path / "captures.db"
+    serve_cmd = serve_line.replace("--port 8000", f"--port {serve_port}").split()
+    proxy_cmd = (proxy_line.replace("127.0.0.1:8000", f"127.0.0.1:{serve_port}")
+                 .replace("--port 8001", f"--port {proxy_port}")
+                 .replace("captures.db", str(store)).split())
+    assert serve_cmd[0] == proxy_cmd[0] == "rollmarket"
+    procs = []
+    try:
+        procs.append(_start([sys.executable, "-m", "rollmarket", *serve_cmd[1:]], tmp_path / "serve.log",
+                            f"http://127.0.0.1:{serve_port}"))
+        procs.append(_start([sys.executable, "-m", "rollmarket", *proxy_cmd[1:]], tmp_path / "proxy.log",
+                            f"http://127.0.0.1:{proxy_port}"))
+        script = tmp_path / "client.py"
+        script.write_text(client_block.replace("127.0.0.1:8001", f"127.0.0.1:{proxy_port}"))
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        assert "'role': 'assistant'" in done.stdout
+        out = tmp_path / "captures.jsonl"
+        export = subprocess.run([sys.executable, "-m", "rollmarket", "captures", "export", "--store", str(store),
+                                 "--out", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert export.returncode == 0, export.stderr
+        import json
+
+        [capture] = [json.loads(line) for line in out.read_text().splitlines()]
+        assert capture["prompt_token_ids"] and capture["choices"][0]["response_token_ids"]
+        assert len(capture["choices"][0]["routed_experts"]) == len(capture["choices"][0]["response_token_ids"])
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=20)
+    script = tmp_path / "engines.py"
+    script.write_text(engines_block)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("fp1:") == 2

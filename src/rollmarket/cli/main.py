@@ -117,16 +117,35 @@ def exchange_audit(url: str, token: str, kind: str | None, subject: str | None, 
 @click.option("--timeout", default=240.0, show_default=True, help="Give up after this many seconds.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the simulated workers.")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
-              help="Simulated worker profiles with synthetic logprobs (the only mode until real engines land).")
-def demo(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool) -> None:
-    """Run the main job: an exchange, faulty and honest workers, and a trainer, as real processes."""
+              help="Run the simulated faulty and honest profiles (required until real agent workers land).")
+@click.option("--model", default="models/tiny-moe", show_default=True,
+              help="Model the policy is: a real engine worker samples it at bf16 and the trainer "
+                   "teacher-forces its groups at fp32. 'none' for the synthetic model alone.")
+def demo(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool,
+         model: str) -> None:
+    """Run the main job: an exchange, a real engine worker, faulty and honest simulated workers,
+    and a trainer, as real processes."""
     from ..sim.demo import DemoConfig, run_demo
 
     if not simulate:
-        raise click.UsageError("only --simulate is available until real engines land")
-    config = DemoConfig(steps=steps, min_steps=min_steps, timeout_s=timeout, seed=seed)
+        raise click.UsageError("--no-simulate needs the agent workers of a later release")
+    config = DemoConfig(steps=steps, min_steps=min_steps, timeout_s=timeout, seed=seed,
+                        model=None if model.lower() == "none" else model)
+    if config.model and not (Path(config.model) / "config.json").exists():
+        raise click.UsageError(f"--model {config.model}: no such model directory (run from the "
+                               "repository root or pass --model none)")
     summary = run_demo(config, runs_dir=runs_dir, console=console)
     sys.exit(0 if summary["all_paths_fired"] else 1)
+
+
+from .serve import serve_model  # noqa: E402
+
+main.add_command(serve_model)
+
+from .proxy import captures, proxy  # noqa: E402
+
+main.add_command(proxy)
+main.add_command(captures)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,14 @@
 
 from .base import CONTRACT_VERSION, Record, canonical_json, new_id, utc_now
 from .budget import BudgetReport
+from .capture import (
+    Capture,
+    CapturedChoice,
+    CapturedToolCall,
+    CaptureOutcome,
+    CaptureTimings,
+    ConversationSource,
+)
 from .decision import (
     RECOMMENDED_ACTION,
     DecisionReason,

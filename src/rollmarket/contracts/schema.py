@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from . import (
+    Capture,
     AuditPage, BudgetReport, EnqueueReceipt, ErrorBody, FailureReport, FetchResult,
     GroupDecision, HeartbeatReply, LeaseGrant, PolicyManifest, PoolStatus, ReloadAck,
     ReloadStatus, RolloutJob, RolloutLease, SampleGroup, SubmissionReceipt, TrainerFeedback,
@@ -15,6 +16,7 @@ from . import (
 )
 
 EXPORTED: tuple[type[BaseModel], ...] = (
+    Capture,
     PolicyManifest, WorkerManifest, WorkerRegistration, WorkerHeartbeat, HeartbeatReply,
     RolloutJob, RolloutLease, LeaseGrant, FailureReport, EnqueueReceipt, Trajectory, SampleGroup,
     SubmissionReceipt, FetchResult, BudgetReport, GroupDecision, TrainerFeedback, ReloadAck,

@@ -48,6 +48,7 @@ PATHS = {
 }
 
 DEFAULT_WORKERS = (
+    ("engine-bf16", Profile.engine, 1.0),
     ("honest-a", Profile.honest, 1.0), ("honest-b", Profile.honest, 1.5), ("noisy", Profile.noisy, 0.8),
     ("stale", Profile.stale, 1.0), ("toxic-tokenizer", Profile.toxic_tokenizer, 0.5),
     ("toxic-precision", Profile.toxic_precision, 0.6), ("no-logprobs", Profile.no_logprobs, 0.7),
@@ -71,6 +72,9 @@ class DemoConfig:
     reaper_interval_s: float = 0.25
     preference_hold_s: float = 0.5
     max_attempts: int = 8
+    model: str | None = "models/tiny-moe"
+    """The real model the policy is; the engine profile samples it and the trainer teacher-forces
+    its groups. None runs the synthetic model alone (and drops the engine profile)."""
     workers: list = field(default_factory=lambda: [list(w) for w in DEFAULT_WORKERS])
 
 
@@ -182,6 +186,15 @@ def _trainer_lines(path: Path) -> list[dict]:
 def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Console | None = None) -> dict:
     """Run the demo and return its summary (also written to summary.json)."""
     console = console or Console()
+    env = {}
+    if config.model:
+        model = Path(config.model)
+        if not (model / "config.json").exists():
+            raise FileNotFoundError(f"demo model {model} not found (run from the repository root, "
+                                    "or pass --model PATH / --no-model)")
+        env["ROLLMARKET_DEMO_MODEL"] = str(model.resolve())
+    else:
+        config.workers = [w for w in config.workers if Profile(w[1]) is not Profile.engine]
     run_dir = new_run_dir(runs_dir)
     (run_dir / "workers").mkdir()
     port = free_port()
@@ -199,7 +212,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
         "profiles": {p.value: DESCRIPTIONS[p] for p in Profile},
     })
     console.print(f"[bold]rollmarket demo[/] → {run_dir}")
-    procs = _Processes({"ROLLMARKET_TRAINER_TOKEN": token})
+    procs = _Processes({"ROLLMARKET_TRAINER_TOKEN": token, **env})
     started = time.monotonic()
     follower = None
     metrics_path = run_dir / "metrics.jsonl"
@@ -301,7 +314,24 @@ def _summarize(config: DemoConfig, follower: _AuditFollower, pool, lines: list[d
         "activations": follower.activations,
         "audit_events": dict(follower.kinds),
         "workers": workers,
+        "engine": _engine_summary(lines),
     }
+
+
+def _engine_summary(lines: list[dict]) -> dict:
+    """What teacher forcing found in the groups the real engine sampled (bf16 vs fp32 trainer)."""
+    groups = sum(line.get("engine/groups") or 0 for line in lines)
+
+    def weighted(key: str):
+        pairs = [(line[key], line["engine/groups"]) for line in lines
+                 if line.get(key) is not None and line.get("engine/groups")]
+        total = sum(w for _, w in pairs)
+        return round(sum(v * w for v, w in pairs) / total, 6) if total else None
+
+    return {"groups": groups, "token_ess_mean": weighted("engine/token_ess_mean"),
+            "mean_abs_delta": weighted("engine/mean_abs_delta"),
+            "router_flip_rate": weighted("engine/router_flip_rate"),
+            "reward_mean": weighted("engine/reward_mean")}
 
 
 def _print_summary(console: Console, summary: dict) -> None:
@@ -332,6 +362,13 @@ def _print_summary(console: Console, summary: dict) -> None:
         if row["rejection_reasons"]:
             reasons = ", ".join(f"{k} ×{v}" for k, v in sorted(row["rejection_reasons"].items()))
             console.print(f"  {worker_id} rejected for: {reasons}", highlight=False)
+    engine = summary.get("engine") or {}
+    if engine.get("groups"):
+        console.print(
+            f"real engine (tiny MoE, bf16 rollout vs fp32 teacher forcing): {engine['groups']} groups, "
+            f"token ESS {engine['token_ess_mean']:.4f}, mean |Δlogp| {engine['mean_abs_delta']:.4f}, "
+            f"router flip {engine['router_flip_rate'] if engine['router_flip_rate'] is not None else '-'}",
+            highlight=False)
     verdict = "[green]every path fired[/]" if summary["all_paths_fired"] else "[red]some paths did not fire[/]"
     console.print(
         f"{verdict} in {summary['seconds']}s over {summary['steps']} trainer steps; policy v"

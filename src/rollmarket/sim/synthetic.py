@@ -9,6 +9,7 @@ low-precision engine does.
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 
@@ -17,13 +18,34 @@ from ..contracts import PolicyManifest, SamplingConfig, TaskSpec
 VOCAB_SIZE = 512
 FORBIDDEN_MODULUS = 17
 FORBIDDEN_LOGPROB = -28.0
-TOKENIZER_HASH = hashlib.sha256(b"rollmarket-sim-tokenizer").hexdigest()
-MODEL_CONFIG_HASH = hashlib.sha256(b"rollmarket-sim-config").hexdigest()
+MODEL_PATH = os.environ.get("ROLLMARKET_DEMO_MODEL") or None
+"""The real model the demo's policy is (set by the demo for its child processes). With it, the
+policy carries that model's tokenizer and config hashes and vocabulary, and version 0 is its real
+checkpoint digest; the simulated profiles then pretend to run it, and the engine profile really
+does."""
+
+if MODEL_PATH:
+    from ..engines.provenance import checkpoint_digest as _digest
+    from ..engines.provenance import model_config, model_config_hash, tokenizer_hash
+
+    TOKENIZER_HASH = tokenizer_hash(MODEL_PATH)
+    MODEL_CONFIG_HASH = model_config_hash(MODEL_PATH)
+    POLICY_VOCAB_SIZE = max(int(model_config(MODEL_PATH)["vocab_size"]), VOCAB_SIZE)
+    _BASE_DIGEST = _digest(MODEL_PATH)
+else:
+    TOKENIZER_HASH = hashlib.sha256(b"rollmarket-sim-tokenizer").hexdigest()
+    MODEL_CONFIG_HASH = hashlib.sha256(b"rollmarket-sim-config").hexdigest()
+    POLICY_VOCAB_SIZE = VOCAB_SIZE
+    _BASE_DIGEST = None
 _ALLOWED_IDS = np.array([i for i in range(1, VOCAB_SIZE) if i % FORBIDDEN_MODULUS], dtype=np.int32)
 _FORBIDDEN_IDS = np.array([i for i in range(1, VOCAB_SIZE) if i % FORBIDDEN_MODULUS == 0], dtype=np.int32)
 
 
 def checkpoint_digest(version: int) -> str:
+    """Version 0 of a real-model demo is the shipped checkpoint. Nothing trains in the demo yet,
+    so later versions are labels derived from it (the weights stay the same)."""
+    if _BASE_DIGEST is not None:
+        return _BASE_DIGEST if version == 0 else hashlib.sha256(f"{_BASE_DIGEST}:{version}".encode()).hexdigest()
     return hashlib.sha256(f"rollmarket-sim-checkpoint-{version}".encode()).hexdigest()
 
 
@@ -31,7 +53,7 @@ def policy_manifest(version: int) -> PolicyManifest:
     return PolicyManifest(
         policy_version=version, parent_version=None if version == 0 else version - 1,
         checkpoint_digest=checkpoint_digest(version), checkpoint_uri=f"sim://checkpoint/{version}",
-        tokenizer_hash=TOKENIZER_HASH, model_config_hash=MODEL_CONFIG_HASH, vocab_size=VOCAB_SIZE,
+        tokenizer_hash=TOKENIZER_HASH, model_config_hash=MODEL_CONFIG_HASH, vocab_size=POLICY_VOCAB_SIZE,
         precision_class="bf16",
     )
 

@@ -25,11 +25,38 @@ from . import synthetic
 
 
 def trainer_logprobs(group) -> list[np.ndarray]:
-    """The trainer's logprobs of each trajectory's response, at the group's policy version."""
+    """The synthetic model's logprobs of each trajectory's response, at the group's version."""
     return [
         synthetic.reference_logprobs(t.prompt_token_ids, t.response_token_ids, group.policy_version)
         for t in group.trajectories
     ]
+
+
+class Scorer:
+    """The trainer's view of a group: real teacher forcing for groups a real engine sampled
+    (fp32, the trainer's numerics), the synthetic model for the simulated profiles."""
+
+    def __init__(self) -> None:
+        self._engine = None
+
+    def is_real(self, group) -> bool:
+        return bool(synthetic.MODEL_PATH) and group.engine_name == "rollmarket-hf"
+
+    def __call__(self, group) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+        if not self.is_real(group):
+            return trainer_logprobs(group), None
+        if self._engine is None:
+            from ..engines import TrainerEngine
+
+            self._engine = TrainerEngine.from_path(synthetic.MODEL_PATH, "fp32")
+        scored = self._engine.score_batch([(t.prompt_token_ids, t.response_token_ids)
+                                           for t in group.trajectories])
+        experts = [s.routed_experts_TLK for s in scored]
+        return [s.logprobs_T for s in scored], (experts if all(e is not None for e in experts) else None)
+
+
+def _mean(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values else None
 
 
 def make_jobs(step: int, version: int, count: int, group_size: int) -> list[RolloutJob]:
@@ -51,6 +78,7 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
     trainer = TrainerClient(url, token, trainer_id="sim-trainer", retries=8)
     out = open(metrics_path, "a", buffering=1)
     version = 0
+    scorer = Scorer()
     trainer.publish_policy(synthetic.policy_manifest(version))
     trainer.wait_for_quorum(version, timeout=120)
     for step in range(steps):
@@ -58,13 +86,21 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
         trainer.enqueue(make_jobs(step, version, jobs_per_step, group_size))
         decisions: Counter = Counter()
         ess, abs_delta = [], []
+        real: dict[str, list[float]] = {"ess": [], "abs_delta": [], "flip": [], "reward": []}
         deadline = time.time() + step_seconds
         while time.time() < deadline:
             batch = trainer.fetch(tier=Tier.fresh, limit=32)
             for fetched in batch.groups:
                 group = fetched.group
-                report = budget_report(group, trainer_logprobs(group), policy_lag_steps=fetched.current_lag,
-                                       config=gate)
+                logprobs, experts = scorer(group)
+                report = budget_report(group, logprobs, trainer_routed_experts=experts,
+                                       policy_lag_steps=fetched.current_lag, config=gate)
+                if scorer.is_real(group):
+                    real["ess"].append(report.token_ess)
+                    real["abs_delta"].append(report.mean_abs_delta)
+                    if report.router_flip_rate is not None:
+                        real["flip"].append(report.router_flip_rate)
+                    real["reward"].extend(t.reward for t in group.trajectories if t.reward is not None)
                 decision = decide(report, gate, decided_by="sim-trainer")
                 trainer.report(group.group_id, decision)
                 decisions[decision.status.value] += 1
@@ -91,6 +127,11 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
                if status is not DecisionStatus.reject},
             "rollout_corr/token_ess_mean": float(np.mean(ess)) if ess else None,
             "rollout_corr/mean_abs_delta": float(np.mean(abs_delta)) if abs_delta else None,
+            "engine/groups": len(real["ess"]),
+            "engine/token_ess_mean": _mean(real["ess"]),
+            "engine/mean_abs_delta": _mean(real["abs_delta"]),
+            "engine/router_flip_rate": _mean(real["flip"]),
+            "engine/reward_mean": _mean(real["reward"]),
             "timing_s/step": round(time.time() - started, 3),
         }
         out.write(json.dumps(line) + "\n")

@@ -60,7 +60,18 @@ class Heartbeater(threading.Thread):
                 self.reload_required.set()
 
 
-def manifest_for(profile: Profile, worker_id: str, price: float) -> WorkerManifest:
+def manifest_for(profile: Profile, worker_id: str, price: float, engine=None) -> WorkerManifest:
+    if engine is not None:
+        from .. import __version__
+
+        return WorkerManifest(
+            worker_id=worker_id, engine_name=engine.name, engine_version=__version__,
+            engine_fingerprint=engine.fingerprint(), device_type=engine.loaded.device.type,
+            precision_classes=[engine.precision.value],
+            supported_tokenizer_hashes=[engine.info.tokenizer_hash],
+            max_context_tokens=engine.info.max_context_tokens, max_concurrent_groups=1,
+            returns_routed_experts=engine.info.is_moe, price_hint=price,
+        )
     engine = "sim-fp8" if profile is Profile.toxic_precision else "sim-bf16"
     return WorkerManifest(
         worker_id=worker_id, engine_name=engine, engine_version="0.1",
@@ -70,11 +81,44 @@ def manifest_for(profile: Profile, worker_id: str, price: float) -> WorkerManife
     )
 
 
+def _plan_renewing(client: WorkerClient, lease_id: str, lease_ttl_s: float, work):
+    """Run slow work (real sampling) in a thread and renew the lease while it runs."""
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["plan"] = work()
+        except BaseException as exc:  # re-raised in the worker's own thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="sampling")
+    thread.start()
+    while thread.is_alive():
+        thread.join(lease_ttl_s / 3)
+        if thread.is_alive():
+            try:
+                client.renew(lease_id)
+            except ExchangeError:
+                pass
+    if "error" in result:
+        raise result["error"]
+    return result["plan"]
+
+
 def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path | None,
-        lease_ttl_s: float, heartbeat_s: float, price: float) -> int:
+        lease_ttl_s: float, heartbeat_s: float, price: float, precision: str = "bf16") -> int:
     rng = np.random.default_rng(seed)
     log = EventLog(events_path, worker_id, profile)
-    manifest = manifest_for(profile, worker_id, price)
+    engine = None
+    if profile is Profile.engine:
+        from ..engines import RolloutEngine
+
+        if not synthetic.MODEL_PATH:
+            raise SystemExit("the engine profile needs ROLLMARKET_DEMO_MODEL (a model directory)")
+        engine = RolloutEngine.from_path(synthetic.MODEL_PATH, precision, "cpu")
+        log("engine_loaded", model=synthetic.MODEL_PATH, precision=precision,
+            fingerprint=engine.fingerprint())
+    manifest = manifest_for(profile, worker_id, price, engine)
     client = WorkerClient(url, retries=8)
     registration = client.register(manifest)
     log("registered", heartbeat_ttl_s=registration.heartbeat_ttl_s)
@@ -91,7 +135,8 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
         digest = reload_digest(profile, policy.policy_version, lied)
         lied = lied or digest != policy.checkpoint_digest
         time.sleep(0.02)  # "loading weights"
-        fingerprint = synthetic.fingerprint(manifest.engine_name, policy.policy_version)
+        fingerprint = (engine.fingerprint() if engine is not None
+                       else synthetic.fingerprint(manifest.engine_name, policy.policy_version))
         try:
             status = client.ack_reload(policy.policy_version, digest, engine_fingerprint=fingerprint,
                                        load_seconds=0.02)
@@ -115,7 +160,11 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
         lease_id = grant.lease.lease_id
         beats.active_leases.add(lease_id)
         log("leased", lease_id=lease_id, job_id=grant.lease.job_id, version=grant.lease.policy_version)
-        decision = plan(profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s)
+        if engine is None:
+            decision = plan(profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s)
+        else:
+            decision = _plan_renewing(client, lease_id, lease_ttl_s, lambda: plan(
+                profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s, engine=engine))
         if decision.crash:
             log("crashing", lease_id=lease_id)
             os._exit(3)  # dies holding the lease: no fail report, no more heartbeats
@@ -160,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl-s", type=float, default=10.0)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--price", type=float, default=1.0)
+    parser.add_argument("--precision", default="bf16", help="Precision profile of the engine profile.")
     args = parser.parse_args(argv)
     return run(args.url, Profile(args.profile), args.worker_id, args.seed, args.events, args.lease_ttl_s,
-               args.heartbeat_s, args.price)
+               args.heartbeat_s, args.price, args.precision)
 
 
 if __name__ == "__main__":

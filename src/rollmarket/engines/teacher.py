@@ -1,0 +1,156 @@
+"""Teacher forcing: the trainer engine's view of tokens someone else sampled.
+
+The lm-head and log-softmax run over chunks of positions, so a ``[tokens, vocab]`` float32
+matrix never exists whole: at 16k tokens and a 150k vocabulary that matrix alone is 9.8 GB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .fingerprint import canonical_pairs, fingerprint_from_logprobs
+from .loading import LoadedModel, load_model
+from .precision import Precision
+from .routing import RouterCapture
+
+
+@dataclass(frozen=True)
+class TeacherForced:
+    """Per response token: the trainer's logprob, the entropy of its distribution, its experts."""
+
+    logprobs_T: np.ndarray
+    """float32 log π(y_t | prefix) at the given temperature."""
+    entropies_T: np.ndarray
+    """float32 entropy (nats) of the full next-token distribution at position t."""
+    routed_experts_TLK: np.ndarray | None
+    """int16 top-k experts of the forward step that scored y_t (the step fed y_{t-1}); None for
+    dense models. Same alignment as the rollout engine, so row t of both describes one step."""
+
+
+def chunked_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_N: torch.Tensor,
+                        *, temperature: float = 1.0, chunk: int = 1024
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target and the distribution's entropy, ``chunk`` positions at a time.
+
+    Works in float32 whatever the model's dtype: the lm-head runs at model precision (as the
+    trainer engine would), the softmax statistics in float32. With z the logits shifted by their
+    maximum, e = exp(z) and s = Σe: logprob = z[target] − log s and entropy = log s − Σ e·z / s,
+    so one exponential pass serves both and at most two ``[chunk, vocab]`` float32 buffers live
+    at once (logsumexp plus softmax would take twice the passes and a third buffer).
+    """
+    logprobs, entropies = [], []
+    for start in range(0, hidden_NH.shape[0], chunk):
+        logits_CV = lm_head(hidden_NH[start:start + chunk])
+        # One pass shifts by the row maximum and upcasts (bf16 minus float32 gives float32).
+        shifted_CV = logits_CV - logits_CV.amax(dim=-1, keepdim=True).float()
+        del logits_CV
+        if temperature != 1.0:
+            shifted_CV = shifted_CV / temperature
+        exp_CV = shifted_CV.exp()
+        sum_C = exp_CV.sum(-1)
+        log_sum_C = sum_C.log()
+        target_C = shifted_CV.gather(-1, targets_N[start:start + chunk, None]).squeeze(-1)
+        logprobs.append(target_C - log_sum_C)
+        # In place when no gradient needs exp_CV intact, so no third buffer is allocated.
+        weighted_CV = exp_CV * shifted_CV if exp_CV.requires_grad else exp_CV.mul_(shifted_CV)
+        entropies.append(log_sum_C - weighted_CV.sum(-1) / sum_C)
+        del shifted_CV, exp_CV, weighted_CV
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model, model.lm_head
+
+
+class TrainerEngine:
+    """Scores response tokens given their prompt, at the loaded model's precision.
+
+    Sequences are right-padded into one batch per call; ``max_batch_tokens`` splits larger calls.
+    """
+
+    name = "rollmarket-teacher"
+
+    def __init__(self, loaded: LoadedModel, *, chunk: int = 1024, max_batch_tokens: int = 16384):
+        self.loaded = loaded
+        self.info = loaded.info
+        self.chunk = chunk
+        self.max_batch_tokens = max_batch_tokens
+        self.body, self.head = _body_and_head(loaded.model)
+
+    @classmethod
+    def from_path(cls, path, precision: str | Precision = "fp32", device="cpu", **kw) -> "TrainerEngine":
+        return cls(load_model(path, precision, device), **kw)
+
+    @property
+    def precision(self) -> Precision:
+        return self.loaded.precision
+
+    def fingerprint(self) -> str:
+        pairs = canonical_pairs(self.loaded.tokenizer)
+        return fingerprint_from_logprobs([tf.logprobs_T for tf in self.score_batch(pairs)])
+
+    @torch.no_grad()
+    def score(self, prompt_ids_P, response_ids_T, *, temperature: float = 1.0) -> TeacherForced:
+        return self.score_batch([(prompt_ids_P, response_ids_T)], temperature=temperature)[0]
+
+    @torch.no_grad()
+    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0) -> list[TeacherForced]:
+        out: list[TeacherForced] = []
+        batch: list[tuple[np.ndarray, np.ndarray]] = []
+        longest = 0
+        for prompt, response in pairs:
+            prompt_P = np.asarray(prompt, dtype=np.int64)
+            response_T = np.asarray(response, dtype=np.int64)
+            if prompt_P.size == 0:
+                raise ValueError("teacher forcing needs at least one prompt token")
+            length = prompt_P.size + response_T.size
+            if length > self.info.max_context_tokens:
+                raise ValueError(f"prompt + response of {length} tokens exceeds the context of "
+                                 f"{self.info.max_context_tokens}")
+            if batch and max(longest, length) * (len(batch) + 1) > self.max_batch_tokens:
+                out.extend(self._forward(batch, temperature))
+                batch, longest = [], 0
+            batch.append((prompt_P, response_T))
+            longest = max(longest, length)
+        if batch:
+            out.extend(self._forward(batch, temperature))
+        return out
+
+    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray]], temperature: float
+                 ) -> list[TeacherForced]:
+        device = self.loaded.device
+        lengths = [p.size + r.size for p, r in batch]
+        B, S = len(batch), max(lengths)
+        ids_BS = torch.zeros(B, S, dtype=torch.long)
+        mask_BS = torch.zeros(B, S, dtype=torch.long)
+        for b, (p, r) in enumerate(batch):
+            ids_BS[b, : lengths[b]] = torch.from_numpy(np.concatenate([p, r]))
+            mask_BS[b, : lengths[b]] = 1
+        ids_BS, mask_BS = ids_BS.to(device), mask_BS.to(device)
+        capture = RouterCapture(self.loaded.model, self.loaded.info.top_k or 1)
+        with capture:
+            hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS).last_hidden_state
+        experts_BSLK = capture.take(B, S) if capture.active else None
+        # Position i predicts token i+1: the response's scores sit at P-1 .. P+T-2.
+        rows, targets = [], []
+        for b, (p, r) in enumerate(batch):
+            P, T = p.size, r.size
+            rows.append(hidden_BSH[b, P - 1: P - 1 + T])
+            targets.append(ids_BS[b, P: P + T])
+        logprobs_N, entropies_N = chunked_token_stats(
+            torch.cat(rows), self.head, torch.cat(targets), temperature=temperature, chunk=self.chunk)
+        logprobs_N = logprobs_N.cpu().numpy().astype(np.float32)
+        entropies_N = entropies_N.cpu().numpy().astype(np.float32)
+        out, offset = [], 0
+        for b, (p, r) in enumerate(batch):
+            P, T = p.size, r.size
+            experts = None
+            if experts_BSLK is not None:
+                experts = experts_BSLK[b, P - 1: P - 1 + T].numpy().astype(np.int16)
+            out.append(TeacherForced(logprobs_N[offset: offset + T], entropies_N[offset: offset + T],
+                                     experts))
+            offset += T
+        return out

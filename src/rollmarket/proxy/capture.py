@@ -1,0 +1,379 @@
+"""Collect one call's capture on the way through, then build the `Capture` record off the hot path.
+
+`CallRecorder` runs on the event loop: it only picks references out of the JSON the proxy parsed
+anyway (a whole answer, or one streamed chunk at a time), never copies token lists element by
+element, never builds numpy arrays. `build_capture` runs on the store's writer thread: it turns
+the draft into a validated `Capture`, one array at a time, so that one malformed field becomes a
+note on the record instead of a lost capture.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from ..contracts.arrays import LOGPROBS, ROUTED_EXPERTS, TOKEN_IDS, ArraySpec
+from ..contracts.capture import (
+    Capture,
+    CapturedChoice,
+    CapturedToolCall,
+    CaptureOutcome,
+    CaptureTimings,
+    ConversationSource,
+)
+from . import linking
+from .augment import CHAT
+
+log = logging.getLogger(__name__)
+
+_REQUEST_FIELDS = ("messages", "tools", "prompt", "model")
+
+
+class _Choice:
+    """What one choice has produced so far."""
+
+    __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "token_ids", "logprobs",
+                 "experts", "sgl_experts", "prompt_token_ids", "logprobs_missing")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, list[Any]] = {}  # index -> [id, name, [argument pieces]]
+        self.finish_reason: str | None = None
+        self.token_ids: list[int] = []
+        self.logprobs: list[float | None] = []
+        self.experts: list[Any] = []
+        self.sgl_experts: str | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.logprobs_missing = False
+
+    def add_tool_calls(self, calls: list[Any], *, streamed: bool) -> None:
+        for position, call in enumerate(calls):
+            if not isinstance(call, dict):
+                continue
+            index = call.get("index", position) if streamed else position
+            slot = self.tool_calls.setdefault(index, [None, None, []])
+            function = call.get("function") or {}
+            if call.get("id"):
+                slot[0] = call["id"]
+            if function.get("name") and slot[1] is None:
+                slot[1] = function["name"]
+            if function.get("arguments") is not None:
+                arguments = function["arguments"]
+                slot[2].append(arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+    def add_extras(self, choice: dict[str, Any], *, chat: bool) -> None:
+        ids = choice.get("token_ids")
+        if ids:
+            self.token_ids.extend(ids)
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict):
+            if chat:
+                entries = logprobs.get("content") or ()
+                self.logprobs.extend(entry.get("logprob") for entry in entries)
+            else:
+                self.logprobs.extend(logprobs.get("token_logprobs") or ())
+        elif ids:
+            self.logprobs_missing = True
+        experts = choice.get("routed_experts")
+        if experts:
+            self.experts.extend(experts)
+        ext = choice.get("sgl_ext")
+        if isinstance(ext, dict) and isinstance(ext.get("routed_experts"), str):
+            self.sgl_experts = ext["routed_experts"]
+        prompt_ids = choice.get("prompt_token_ids")
+        if prompt_ids:
+            self.prompt_token_ids = prompt_ids
+        reason = choice.get("finish_reason")
+        if reason is not None:
+            self.finish_reason = reason
+
+    def calls(self) -> list[tuple[str | None, str, str]]:
+        return [(call_id, name or "", "".join(pieces))
+                for _, (call_id, name, pieces) in sorted(self.tool_calls.items())]
+
+    def text(self) -> str | None:
+        return "".join(self.content) if self.content else None
+
+
+@dataclass
+class CaptureDraft:
+    """Everything a capture holds, as plain Python, waiting for the writer thread."""
+
+    endpoint: str
+    stream: bool
+    upstream: str
+    request: dict[str, Any] | None
+    augmented: list[str]
+    header_conversation: str | None
+    status_code: int
+    outcome: CaptureOutcome
+    timings: dict[str, Any]
+    upstream_model: str | None = None
+    prompt_token_ids: list[int] | None = None
+    choices: list[_Choice] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    error: Any = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def messages(self) -> list[Any] | None:
+        messages = (self.request or {}).get("messages")
+        return messages if isinstance(messages, list) else None
+
+    def reply_keys(self) -> list[tuple[int, str]]:
+        """(choice index, key) for every choice a next turn may continue."""
+        messages = self.messages
+        if messages is None or self.endpoint != CHAT or self.outcome is not CaptureOutcome.ok:
+            return []
+        return [
+            (choice.index, linking.reply_key(messages, linking.reply_message(
+                choice.text(), [(name, arguments) for _, name, arguments in choice.calls()])))
+            for choice in self.choices
+        ]
+
+
+class CallRecorder:
+    """Accumulates the capture of one call while its answer passes through the proxy."""
+
+    def __init__(self, *, endpoint: str, stream: bool, upstream: str, request: dict[str, Any] | None,
+                 augmented: list[str], header_conversation: str | None, received_at: float):
+        self.endpoint = endpoint
+        self.stream = stream
+        self.upstream = upstream
+        self.request = request
+        self.augmented = augmented
+        self.header_conversation = header_conversation
+        self.received_at = received_at
+        self.chat = endpoint == CHAT
+        self.model: str | None = None
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.error: Any = None
+        self.notes: list[str] = []
+        self.saw_output = False
+        self._choices: dict[int, _Choice] = {}
+
+    def _choice(self, index: int) -> _Choice:
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = _Choice(index)
+        return choice
+
+    def _top(self, body: dict[str, Any]) -> None:
+        if body.get("model"):
+            self.model = body["model"]
+        ids = body.get("prompt_token_ids")
+        if ids:
+            self.prompt_token_ids = ids
+        if body.get("usage"):
+            self.usage = body["usage"]
+        if body.get("error") is not None:
+            self.error = body["error"]
+
+    def response(self, body: dict[str, Any]) -> None:
+        """A whole (non-streamed) answer."""
+        self._top(body)
+        for position, choice in enumerate(body.get("choices") or ()):
+            if not isinstance(choice, dict):
+                continue
+            state = self._choice(choice.get("index", position))
+            if self.chat:
+                message = choice.get("message") or {}
+                if message.get("content") is not None:
+                    state.content.append(message["content"])
+                reasoning = message.get("reasoning_content") or message.get("reasoning")
+                if reasoning:
+                    state.reasoning.append(reasoning)
+                if message.get("tool_calls"):
+                    state.add_tool_calls(message["tool_calls"], streamed=False)
+            elif choice.get("text") is not None:
+                state.content.append(choice["text"])
+            state.add_extras(choice, chat=self.chat)
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        """One streamed chunk."""
+        self._top(chunk)
+        for position, choice in enumerate(chunk.get("choices") or ()):
+            if not isinstance(choice, dict):
+                continue
+            self.saw_output = True
+            state = self._choice(choice.get("index", position))
+            if self.chat:
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    state.content.append(delta["content"])
+                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                if reasoning:
+                    state.reasoning.append(reasoning)
+                if delta.get("tool_calls"):
+                    state.add_tool_calls(delta["tool_calls"], streamed=True)
+            elif choice.get("text"):
+                state.content.append(choice["text"])
+            state.add_extras(choice, chat=self.chat)
+
+    def draft(self, *, status_code: int, outcome: CaptureOutcome, timings: dict[str, Any],
+              error: Any = None) -> CaptureDraft:
+        if outcome is CaptureOutcome.ok and self.error is not None:
+            outcome = CaptureOutcome.upstream_error
+        return CaptureDraft(
+            endpoint=self.endpoint, stream=self.stream, upstream=self.upstream, request=self.request,
+            augmented=self.augmented, header_conversation=self.header_conversation,
+            status_code=status_code, outcome=outcome, timings=timings, upstream_model=self.model,
+            prompt_token_ids=self.prompt_token_ids,
+            choices=[self._choices[i] for i in sorted(self._choices)], usage=self.usage,
+            error=error if error is not None else self.error, notes=self.notes,
+        )
+
+
+def parse_error_body(raw: bytes) -> Any:
+    """An upstream error body as data: parsed JSON when it is JSON, else its text."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode("utf-8", "replace")
+
+
+# -- on the writer thread ------------------------------------------------------------------------
+
+def _array(spec: ArraySpec, values: Any, what: str, notes: list[str]) -> np.ndarray | None:
+    if values is None or (isinstance(values, list) and not values):
+        return None
+    try:
+        if spec is LOGPROBS and any(v is None for v in values):
+            raise ValueError("some tokens have no logprob")
+        return spec.validate(np.asarray(values) if spec is not LOGPROBS else np.asarray(values, dtype=np.float64))
+    except Exception as exc:  # one unreadable field is a note, never a lost capture
+        notes.append(f"{what}: {str(exc).splitlines()[0][:200]}")
+        return None
+
+
+def _sgl_experts(encoded: str, tokens: int, shape: tuple[int, int] | None, notes: list[str],
+                 what: str) -> Any:
+    """SGLang's flat base64 int32 routed experts as [T, L, K] for the last T (response) tokens."""
+    if shape is None:
+        notes.append(f"{what}: SGLang routed experts present but --moe-shape not set; not recorded")
+        return None
+    layers, top_k = shape
+    try:
+        flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
+        experts = flat.reshape(-1, layers, top_k)[-tokens:] if tokens else flat.reshape(-1, layers, top_k)
+    except Exception as exc:
+        notes.append(f"{what}: unreadable SGLang routed experts ({exc})")
+        return None
+    dense = (experts < 0).all(axis=(0, 2))
+    if dense.any():  # layers without routed experts (-1 placeholders) are left out
+        experts = experts[:, ~dense, :]
+    return experts
+
+
+def _params(request: dict[str, Any] | None) -> dict[str, Any]:
+    if not request:
+        return {}
+    return {k: v for k, v in request.items() if k not in _REQUEST_FIELDS}
+
+
+def _fast_experts(experts: list) -> np.ndarray:
+    """[T][L][K] nested lists as one int16 array, without numpy's per-element inference."""
+    T, L, K = len(experts), len(experts[0]), len(experts[0][0])
+    if set(map(len, experts)) != {L}:
+        raise ValueError("ragged routed experts")
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(experts)), dtype=np.int64)
+    if flat.size != T * L * K:
+        raise ValueError("ragged routed experts")
+    return flat.reshape(T, L, K)
+
+
+def _choice_record(choice: _Choice, prompt_ids: list[int] | None, experts_shape: tuple[int, int] | None,
+                   notes: list[str]) -> CapturedChoice:
+    """One choice as a record: arrays validated once on the usual path; field by field, with a
+    note for each unreadable one, when that fails."""
+    what = f"choice {choice.index}"
+    scalars = dict(
+        index=choice.index,
+        content=choice.text(),
+        reasoning_content="".join(choice.reasoning) if choice.reasoning else None,
+        tool_calls=[CapturedToolCall(id=call_id, name=name, arguments=arguments)
+                    for call_id, name, arguments in choice.calls()],
+        finish_reason=choice.finish_reason,
+    )
+    own_prompt = choice.prompt_token_ids if choice.prompt_token_ids and choice.prompt_token_ids != prompt_ids else None
+    experts: Any = choice.experts or None
+    if experts is None and choice.sgl_experts is not None:
+        experts = _sgl_experts(choice.sgl_experts, len(choice.token_ids), experts_shape, notes, what)
+    tokens = len(choice.token_ids)
+    if not choice.logprobs_missing and len(choice.logprobs) in (0, tokens) and (
+            experts is None or len(experts) == tokens):
+        try:
+            logprobs = np.array(choice.logprobs, dtype=np.float64) if choice.logprobs else None
+            if logprobs is not None and np.isnan(logprobs).any():
+                raise ValueError("some tokens have no logprob")
+            return CapturedChoice(
+                **scalars,
+                response_token_ids=np.array(choice.token_ids, dtype=np.int64) if tokens else None,
+                logprobs=logprobs,
+                routed_experts=_fast_experts(experts) if isinstance(experts, list) else experts,
+                prompt_token_ids=np.array(own_prompt, dtype=np.int64) if own_prompt else None,
+            )
+        except Exception:  # something is off: take the careful path below, which says what
+            pass
+    ids = _array(TOKEN_IDS, choice.token_ids, f"{what} token_ids", notes)
+    logprobs = _array(LOGPROBS, choice.logprobs, f"{what} logprobs", notes)
+    if choice.logprobs_missing and logprobs is not None:
+        notes.append(f"{what} logprobs: missing on some chunks; not recorded")
+        logprobs = None
+    experts = _array(ROUTED_EXPERTS, experts, f"{what} routed_experts", notes)
+    for name, array in (("logprobs", logprobs), ("routed_experts", experts)):
+        if array is not None and ids is not None and array.shape[0] != len(ids):
+            notes.append(f"{what} {name}: {array.shape[0]} entries for {len(ids)} tokens")
+    return CapturedChoice(**scalars, response_token_ids=ids, logprobs=logprobs, routed_experts=experts,
+                          prompt_token_ids=_array(TOKEN_IDS, own_prompt, f"{what} prompt_token_ids", notes))
+
+
+def build_capture(draft: CaptureDraft, *, conversation_id: str, source: ConversationSource,
+                  parent: tuple[str, int] | None, experts_shape: tuple[int, int] | None = None) -> Capture:
+    """The validated record of a draft, with its conversation resolved by the store."""
+    notes = list(draft.notes)
+    request = draft.request or {}
+    prompt_ids = draft.prompt_token_ids
+    if prompt_ids is None:
+        per_choice = [c.prompt_token_ids for c in draft.choices if c.prompt_token_ids]
+        prompt_ids = per_choice[0] if per_choice else None
+    choices = [_choice_record(choice, prompt_ids, experts_shape, notes) for choice in draft.choices]
+    messages = draft.messages
+    timings = dict(draft.timings)
+    timings["received_at"] = datetime.fromtimestamp(timings["received_at"], timezone.utc)
+    return Capture(
+        conversation_id=conversation_id,
+        conversation_source=source,
+        parent_capture_id=parent[0] if parent else None,
+        parent_choice=parent[1] if parent else None,
+        turn_index=linking.turn_index(messages) if messages else 0,
+        prefix_hash=linking.prefix_hash(messages) if messages else None,
+        endpoint=draft.endpoint,
+        stream=draft.stream,
+        upstream=draft.upstream,
+        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        upstream_model=draft.upstream_model,
+        messages=messages,
+        tools=request.get("tools") if isinstance(request.get("tools"), list) else None,
+        prompt=request.get("prompt"),
+        params=_params(request),
+        augmented=draft.augmented,
+        prompt_token_ids=_array(TOKEN_IDS, prompt_ids, "prompt_token_ids", notes),
+        choices=choices,
+        usage=draft.usage if isinstance(draft.usage, dict) else None,
+        status_code=draft.status_code,
+        outcome=draft.outcome,
+        error=draft.error,
+        notes=notes,
+        timings=CaptureTimings(**timings),
+    )

@@ -1,0 +1,453 @@
+"""The HTTP face of the embedded engine: /v1/models, /v1/chat/completions, /v1/completions.
+
+Responses follow OpenAI's shapes; the RL extensions follow vLLM: ``prompt_token_ids`` on the
+response and ``token_ids`` on each choice when ``return_token_ids`` is set, and
+``routed_experts`` ([tokens][moe_layers][top_k], the experts of the step that produced each
+token) on each choice when ``return_routed_experts`` is set on an MoE model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from ..engines import RolloutEngine, SamplingParams
+from .batcher import DONE, Batcher, Pending
+from .choice import ChoiceState
+from .detok import Detokenizer
+from .protocol import ChatRequest, CompletionRequest, OpenAIError
+from .settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+
+def _error(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _validation_error(exc: ValidationError) -> OpenAIError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    return OpenAIError(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+
+
+class ModelServer:
+    """Turns requests into engine work and engine events into OpenAI-shaped responses."""
+
+    def __init__(self, engine: RolloutEngine, settings: ServeSettings):
+        self.engine = engine
+        self.settings = settings
+        self.name = settings.served_model_name or engine.info.name
+        self.detok = Detokenizer(engine.tokenizer)
+        self.eos_ids = frozenset(engine.info.eos_token_ids)
+        self.batcher = Batcher(engine, max_seqs=settings.max_batch_seqs,
+                               window_s=settings.batch_window_ms / 1000.0)
+        self.created = int(time.time())
+
+    # ---- request → engine work -------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model != self.name:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404,
+                              type_="NotFoundError", param="model", code="model_not_found")
+
+    def _params(self, req, *, max_tokens: int | None, prompt_len: int, top_logprobs: int
+                ) -> SamplingParams:
+        context = self.engine.info.max_context_tokens
+        room = context - prompt_len
+        if room < 1:
+            raise OpenAIError(f"prompt of {prompt_len} tokens fills the model's context of {context}",
+                              param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.settings.default_max_tokens, room)
+        if prompt_len + max_tokens > context:
+            raise OpenAIError(
+                f"This model's maximum context length is {context} tokens; the prompt has "
+                f"{prompt_len} and max_tokens asks for {max_tokens}.", param="max_tokens",
+                code="context_length_exceeded")
+        if top_logprobs > self.settings.max_top_logprobs:
+            raise OpenAIError(f"top_logprobs may be at most {self.settings.max_top_logprobs}",
+                              param="top_logprobs")
+        try:
+            return SamplingParams(
+                temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                max_tokens=max_tokens, seed=req.seed, top_logprobs=top_logprobs,
+                stop=req.stop_list(), stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos, logprobs_mode=req.logprobs_mode)
+        except ValueError as exc:
+            raise OpenAIError(str(exc)) from None
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        messages = [_normalise_message(m) for m in req.messages]
+        tools = req.tools if req.tool_choice != "none" else None
+        try:
+            return self.engine.encode_chat(messages, tools)
+        except Exception as exc:  # template errors are the client's input, not a crash
+            raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from None
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        prompt = req.prompt
+        vocab = self.engine.info.vocab_size
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise OpenAIError("prompt is empty", param="prompt")
+        out = []
+        for p in prompts:
+            ids = self.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise OpenAIError("prompt is empty", param="prompt")
+            if any(not (0 <= int(i) < vocab) for i in ids):
+                raise OpenAIError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            out.append([int(i) for i in ids])
+        return out
+
+    def new_choices(self, n: int, offset: int, stops, parse_tools: bool) -> list[ChoiceState]:
+        return [ChoiceState(offset + i, self.detok, self.eos_ids, stops, parse_tools) for i in range(n)]
+
+    async def run(self, pending: Pending, choices: list[ChoiceState]) -> AsyncIterator[list]:
+        """Feed engine events into the choices; yield each batch of (choice, event)."""
+        try:
+            while True:
+                item = await pending.events.get()
+                if item is DONE:
+                    return
+                if isinstance(item, Exception):
+                    raise OpenAIError(f"generation failed: {item}", status=500, type_="server_error")
+                for choice_index, ev in item:
+                    choices[choice_index].add(ev)
+                yield item
+        finally:
+            pending.cancelled = True
+
+    # ---- engine results → response bodies --------------------------------------------------
+
+    def chat_logprob_entry(self, token_id: int, logprob: float, top) -> dict:
+        entry = {"token": self.detok.token_text(token_id), "logprob": logprob,
+                 "bytes": list(self.detok.token_bytes(token_id))}
+        entry["top_logprobs"] = [{"token": self.detok.token_text(t), "logprob": lp,
+                                  "bytes": list(self.detok.token_bytes(t))} for t, lp in (top or [])]
+        return entry
+
+    def completion_logprobs(self, c: ChoiceState, start: int = 0, text_offset: int = 0) -> dict:
+        tokens, offsets, tops = [], [], []
+        offset = text_offset
+        for t, top in zip(c.token_ids[start:], c.tops[start:]):
+            text = self.detok.token_text(t)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            tops.append({self.detok.token_text(i): lp for i, lp in top} if top else None)
+        return {"tokens": tokens, "token_logprobs": c.logprobs[start:], "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+def _normalise_message(message: dict) -> dict:
+    """OpenAI content parts become text; tool-call arguments become dicts for the template."""
+    m = dict(message)
+    content = m.get("content")
+    if isinstance(content, list):
+        m["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    calls = m.get("tool_calls")
+    if calls:
+        fixed = []
+        for call in calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    pass
+            call["function"] = fn
+            fixed.append(call)
+        m["tool_calls"] = fixed
+    return m
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
+    server = ModelServer(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        server.batcher.start()
+        try:
+            yield
+        finally:
+            server.batcher.stop()
+
+    app = FastAPI(title="rollmarket model server", version="1", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_request, exc: OpenAIError):
+        return _error(exc)
+
+    async def _object(request: Request) -> dict:
+        try:
+            payload = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise OpenAIError("request body is not valid JSON") from None
+        if not isinstance(payload, dict):
+            raise OpenAIError("request body must be a JSON object")
+        return payload
+
+    async def _body(request: Request, model_cls):
+        payload = await _object(request)
+        try:
+            return model_cls.model_validate(payload)
+        except ValidationError as exc:
+            raise _validation_error(exc) from None
+
+    @app.get("/health")
+    @app.get("/healthz")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": server.name, "object": "model", "created": server.created, "owned_by": "rollmarket",
+            "root": engine.info.path, "max_model_len": engine.info.max_context_tokens}]}
+
+    @app.get("/v1/engine")
+    async def engine_info():
+        """rollmarket extension: what numerics this server runs, for manifests and reports."""
+        info = engine.info
+        return {"model": server.name, "engine_name": engine.name, "precision": engine.precision.value,
+                "quantization": engine.precision.quantization, "device": str(engine.loaded.device),
+                "engine_fingerprint": await asyncio.to_thread(engine.fingerprint),
+                "checkpoint_digest": info.checkpoint_digest, "tokenizer_hash": info.tokenizer_hash,
+                "model_config_hash": info.model_config_hash, "architecture": info.architecture,
+                "moe_layers": info.num_moe_layers, "num_experts": info.num_experts, "top_k": info.top_k,
+                "max_context_tokens": info.max_context_tokens,
+                "batches": server.batcher.batches, "sequences": server.batcher.sequences,
+                "largest_batch": server.batcher.largest_batch}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        payload = await _object(request)
+        if "messages" in payload:
+            try:
+                chat_req = ChatRequest.model_validate({"model": server.name, **payload})
+            except ValidationError as exc:
+                raise _validation_error(exc) from None
+            ids = server.chat_prompt(chat_req)
+        elif isinstance(payload.get("prompt"), str):
+            ids = engine.tokenizer.encode(payload["prompt"])
+        else:
+            raise OpenAIError("give `prompt` (string) or `messages`")
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_context_tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        payload = await _object(request)
+        tokens = payload.get("tokens")
+        vocab = engine.info.vocab_size
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+            raise OpenAIError(f"`tokens` must be a list of integers in [0, {vocab})", param="tokens")
+        return {"prompt": server.detok.text(tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req: ChatRequest = await _body(request, ChatRequest)
+        server._check_model(req.model)
+        prompt = await asyncio.to_thread(server.chat_prompt, req)
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        params = server._params(req, max_tokens=req.max_completion_tokens or req.max_tokens,
+                                prompt_len=len(prompt), top_logprobs=top_n)
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        choices = server.new_choices(req.n, 0, params.stop, parse_tools)
+        pending = server.batcher.submit(prompt, params, req.n)
+        rid = "chatcmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
+        if req.stream:
+            return StreamingResponse(_chat_stream(server, req, rid, created, prompt, pending, choices, moe),
+                                     media_type="text/event-stream")
+        async for _ in server.run(pending, choices):
+            pass
+        body_choices = []
+        for c in choices:
+            content, calls, reason = c.final()
+            message: dict = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice: dict = {"index": c.index, "message": message, "finish_reason": reason,
+                            "logprobs": None}
+            if req.logprobs:
+                choice["logprobs"] = {"content": [server.chat_logprob_entry(t, lp, top) for t, lp, top
+                                                  in zip(c.token_ids, c.logprobs, c.tops)]}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            if moe:
+                choice["routed_experts"] = c.experts
+            body_choices.append(choice)
+        completion = sum(len(c.token_ids) for c in choices)
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": server.name,
+                "choices": body_choices,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion,
+                          "total_tokens": len(prompt) + completion}}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = await _body(request, CompletionRequest)
+        server._check_model(req.model)
+        if req.echo:
+            raise OpenAIError("echo is not supported", param="echo")
+        prompts = await asyncio.to_thread(server.completion_prompts, req)
+        top_n = req.logprobs or 0
+        runs = []
+        for k, prompt in enumerate(prompts):
+            params = server._params(req, max_tokens=req.max_tokens, prompt_len=len(prompt), top_logprobs=top_n)
+            choices = server.new_choices(req.n, k * req.n, params.stop, False)
+            runs.append((prompt, choices, server.batcher.submit(prompt, params, req.n)))
+        rid = "cmpl-" + secrets.token_hex(12)
+        created = int(time.time())
+        moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
+        if req.stream:
+            return StreamingResponse(_completion_stream(server, req, rid, created, runs, moe),
+                                     media_type="text/event-stream")
+
+        async def drain(run):
+            async for _ in server.run(run[2], run[1]):
+                pass
+        await asyncio.gather(*(drain(r) for r in runs))
+        body_choices, completion_tokens, prompt_tokens = [], 0, 0
+        for prompt, choices, _ in runs:
+            prompt_tokens += len(prompt)
+            for c in choices:
+                content, _, reason = c.final()
+                choice = {"index": c.index, "text": content or "", "finish_reason": reason,
+                          "logprobs": server.completion_logprobs(c) if req.logprobs is not None else None}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                    choice["prompt_token_ids"] = prompt
+                if moe:
+                    choice["routed_experts"] = c.experts
+                completion_tokens += len(c.token_ids)
+                body_choices.append(choice)
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                             "model": server.name, "choices": body_choices,
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": prompt_tokens + completion_tokens}})
+
+    return app
+
+
+async def _chat_stream(server: ModelServer, req: ChatRequest, rid: str, created: int, prompt,
+                       pending: Pending, choices: list[ChoiceState], moe: bool) -> AsyncIterator[bytes]:
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": server.name}
+    first = dict(base, choices=[{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None} for c in choices])
+    if req.return_token_ids:
+        first["prompt_token_ids"] = prompt
+    yield _sse(first)
+    try:
+        async for batch in server.run(pending, choices):
+            out = []
+            for choice_index, ev in batch:
+                c = choices[choice_index]
+                text, calls = c.stream_delta()
+                delta: dict = {}
+                if text:
+                    delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = [dict(call, index=c._calls_emitted - len(calls) + i)
+                                           for i, call in enumerate(calls)]
+                entry: dict = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
+                if req.logprobs:
+                    entry["logprobs"] = {"content": [server.chat_logprob_entry(ev.token_id, ev.logprob, ev.top)]}
+                if req.return_token_ids:
+                    entry["token_ids"] = [ev.token_id]
+                if moe and ev.experts_LK is not None:
+                    entry["routed_experts"] = [ev.experts_LK.tolist()]
+                if c.done:
+                    entry["finish_reason"] = c.final()[2]
+                out.append(entry)
+            yield _sse(dict(base, choices=out))
+    except OpenAIError as exc:
+        yield _sse(exc.body())
+    if req.stream_options and req.stream_options.include_usage:
+        completion = sum(len(c.token_ids) for c in choices)
+        yield _sse(dict(base, choices=[], usage={"prompt_tokens": len(prompt), "completion_tokens": completion,
+                                                 "total_tokens": len(prompt) + completion}))
+    yield b"data: [DONE]\n\n"
+
+
+async def _completion_stream(server: ModelServer, req: CompletionRequest, rid: str, created: int, runs,
+                             moe: bool) -> AsyncIterator[bytes]:
+    base = {"id": rid, "object": "text_completion", "created": created, "model": server.name}
+    merged: asyncio.Queue = asyncio.Queue()
+
+    sent_prompt: set[int] = set()
+
+    def entries(prompt, choices: list[ChoiceState], batch) -> list[dict]:
+        out = []
+        for choice_index, ev in batch:
+            c = choices[choice_index]
+            start = len(c.token_ids) - 1
+            text, _ = c.stream_delta()
+            entry: dict = {"index": c.index, "text": text, "finish_reason": c.final()[2] if c.done else None,
+                           "logprobs": server.completion_logprobs(c, start) if req.logprobs is not None else None}
+            if req.return_token_ids:
+                entry["token_ids"] = [ev.token_id]
+                if c.index not in sent_prompt:
+                    entry["prompt_token_ids"] = prompt
+                    sent_prompt.add(c.index)
+            if moe and ev.experts_LK is not None:
+                entry["routed_experts"] = [ev.experts_LK.tolist()]
+            out.append(entry)
+        return out
+
+    async def pump(run):
+        # Entries are built here, right after ``server.run`` adds the step to the choices: the
+        # consumer may lag behind, and by then the choice state would already hold later tokens.
+        prompt, choices, pending = run
+        try:
+            async for batch in server.run(pending, choices):
+                await merged.put(entries(prompt, choices, batch))
+        except OpenAIError as exc:
+            await merged.put(exc)
+        await merged.put(None)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await merged.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, OpenAIError):
+                yield _sse(item.body())
+                continue
+            yield _sse(dict(base, choices=item))
+    finally:
+        for t in tasks:
+            t.cancel()
+    if req.stream_options and req.stream_options.include_usage:
+        p = sum(len(r[0]) for r in runs)
+        c = sum(len(ch.token_ids) for r in runs for ch in r[1])
+        yield _sse(dict(base, choices=[], usage={"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}))
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,27 @@
+"""Settings of `rollmarket serve-model`: data with a default and one line of help each."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServeSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str = Field(description="Hugging Face model directory to serve.")
+    served_model_name: str | None = Field(
+        None, description="Name clients pass as `model`; defaults to the directory name.")
+    precision: str = Field("bf16", description="Precision profile: fp32, bf16, fp16 or fp8.")
+    device: str = Field("auto", description="Torch device: cpu, cuda, cuda:1 or auto.")
+    host: str = Field("127.0.0.1", description="Interface to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads (default: torch's choice); 1 is best on busy shared CPUs.")
+    max_batch_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one batch.")
+    batch_window_ms: float = Field(
+        5.0, ge=0, description="How long the batcher waits for more requests before starting a batch.")
+    default_max_tokens: int = Field(
+        512, ge=1, description="max_tokens when a request gives none (capped by the context).")
+    max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs a request may ask for.")
+    return_routed_experts: bool = Field(
+        True, description="Return routed experts when a request asks (MoE models); off: the field is ignored.")

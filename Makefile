@@ -34,7 +34,7 @@ bench: venv-test
 	$(BIN)/python benchmarks/serve_throughput.py
 	$(BIN)/python benchmarks/teacher_forcing.py
 
-# Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 20 minutes).
+# Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 40 minutes on 2 cores).
 models: venv
 	$(BIN)/rollmarket models build --out models
 

@@ -196,6 +196,21 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
                                                     data={})], next_seq=2),
     ErrorDetail: lambda: ErrorDetail(code=ErrorCode.rejected, message="no", reasons=["hash_mismatch"]),
     ErrorBody: lambda: ErrorBody(error=ErrorDetail(code=ErrorCode.not_found, message="gone")),
+    contracts.CapturedToolCall: lambda: contracts.CapturedToolCall(
+        id="call_1", name="calculator", arguments='{"expression": "2 + 2"}'),
+    contracts.CapturedChoice: lambda: contracts.CapturedChoice(
+        index=0, content=None, finish_reason="tool_calls",
+        tool_calls=[contracts.CapturedToolCall(name="calculator", arguments="{}")],
+        response_token_ids=np.array([5, 6, 2], np.int32), logprobs=np.array([-0.1, -0.2, -0.3], np.float32),
+        routed_experts=np.zeros((3, 4, 2), np.int16)),
+    contracts.CaptureTimings: lambda: contracts.CaptureTimings(received_at=T0, total_s=0.2, proxy_s=0.001,
+                                                               upstream_s=0.199),
+    contracts.Capture: lambda: contracts.Capture(
+        conversation_id="conv_1", conversation_source=contracts.ConversationSource("header"), turn_index=0,
+        endpoint="/v1/chat/completions", upstream="http://127.0.0.1:8000", model="tiny-moe",
+        messages=[{"role": "user", "content": "What is 2 + 2?"}], prompt_token_ids=np.array([1, 2, 3], np.int32),
+        choices=[contracts.CapturedChoice(index=0, content="4", finish_reason="stop")], status_code=200,
+        timings=contracts.CaptureTimings(received_at=T0, total_s=0.2, proxy_s=0.001)),
 }
 
 CONTRACTS = sorted(FACTORIES, key=lambda cls: cls.__name__)

@@ -103,6 +103,7 @@ def _group_worker(rank: int, world_size: int, port: int, model: str, pairs: list
             result["bad_input"] = str(exc)
         result["after"] = engine.score_batch(pairs[:1])
         Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+        dist.barrier()  # no rank tears down gloo while its peer still reads
     finally:
         dist.destroy_process_group()
 

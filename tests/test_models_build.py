@@ -112,7 +112,7 @@ def test_shipped_models_fit_the_size_budget():
 
 
 def test_quick_build_writes_loadable_model_dirs(tmp_path):
-    reports = build(BuildConfig.quick(out=tmp_path, steps=2))
+    reports = build(BuildConfig.quick(out=tmp_path, steps=2, moe_steps=2))
     for name in ("tiny-dense", "tiny-moe"):
         path = tmp_path / name
         assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",

@@ -24,7 +24,7 @@ def models() -> None:
 @click.option("--seed", default=0, show_default=True, help="Seed of model init and batch order.")
 @click.option("--steps", default=None, type=int, help="Optimizer steps of tiny-dense [default: 4000; --quick: 4].")
 @click.option("--moe-steps", default=None, type=int,
-              help="Optimizer steps of tiny-moe after upcycling [default: 1500; --quick: 4].")
+              help="Optimizer steps of tiny-moe after upcycling [default: 2000; --quick: 4].")
 @click.option("--upcycle/--no-upcycle", default=True, show_default=True,
               help="Start tiny-moe from tiny-dense (--only moe then reuses <out>/tiny-dense).")
 @click.option("--minutes", default=30.0, show_default=True, help="Wall-time cap on each model's training.")

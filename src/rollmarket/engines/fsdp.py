@@ -273,6 +273,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, model_path: str
             result = engine.fingerprint()
         if rank == 0:
             Path(result_path).write_bytes(pickle.dumps(result))
+        # A rank that leaves while a peer still reads its last message makes gloo abort the peer.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -44,7 +44,7 @@ class BuildConfig:
     only: tuple[str, ...] = MODEL_NAMES  # which models to build
     steps: int = 4000  # optimizer steps of tiny-dense
     lr: float = 6e-3  # peak LR of tiny-dense
-    moe_steps: int = 1500  # optimizer steps of tiny-moe (after upcycling)
+    moe_steps: int = 2000  # optimizer steps of tiny-moe (after upcycling)
     moe_lr: float = 3e-3  # peak LR of tiny-moe
     upcycle: bool = True  # start tiny-moe from tiny-dense (see upcycle.py); False trains it from scratch
     batch_size: int = 16
@@ -121,7 +121,7 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
             "seed": config.seed,
             "init": init,
             "train": {**asdict(train_config), "steps_done": result.steps_done, "wall_s": round(result.wall_s, 1),
-                      "stopped_by_time": result.stopped_by_time},
+                      "stopped_by_time": result.stopped_by_time, "shared_prefix_tokens": result.prefix_len},
             "loss": result.summary(),
             "data": {**data, "vocab_size": len(tokenizer), "world_seed": world.seed},
             "eval": {"families": scores["families"], "overall": scores["overall"], "n": scores["n"],

@@ -6,9 +6,10 @@
     lookup      one web_search (a fact about a town, company or person) or one read_file (a value
                 in config/*.toml or notes/*.txt), then the value.
     chain       2-3 dependent calls: search, search, calculator; search then search on its result;
-                search then calculator; read_file then calculator.
+                search then calculator (an age, years since a founding); read_file then calculator.
     plain       no tool: facts of the world a model memorises in training (region of a town,
-                capital of a region) and trivial questions (one-digit sums, weekdays).
+                capital of a region) and trivial questions (one-digit sums, weekdays, the first
+                letter or the length of a word).
 
 Every task offers the same three tools, so choosing whether and which to call is part of it.
 Splits are seeds: the same (family, n, seed) gives the same tasks; `generate_split` removes from
@@ -147,7 +148,7 @@ def _lookup(rng: random.Random, world: World) -> Plan:
 
 
 def _chain(rng: random.Random, world: World) -> Plan:
-    kind = rng.randrange(5)
+    kind = rng.randrange(6)
     if kind == 0:
         t1, t2 = rng.sample(world.towns, 2)
         expr = f"{t1.population} + {t2.population}"
@@ -171,6 +172,12 @@ def _chain(rng: random.Random, world: World) -> Plan:
         expr = f"{AGE_YEAR} - {p.born}"
         return (f"How old is {p.name} in {AGE_YEAR}?", calculator(expr), "numeric",
                 [("web_search", {"query": f"{p.name} born"}), ("calculator", {"expression": expr})])
+    if kind == 4:
+        name, founded = rng.choice([(t.name, t.founded) for t in world.towns] +
+                                   [(c.name, c.founded) for c in world.companies])
+        expr = f"{AGE_YEAR} - {founded}"
+        return (f"How many years before {AGE_YEAR} was {name} founded?", calculator(expr), "numeric",
+                [("web_search", {"query": f"{name} founded"}), ("calculator", {"expression": expr})])
     c = rng.choice(world.companies)
     path = f"notes/{slug(c.name)}.txt"
     (i1, n1), (i2, n2) = rng.sample(sorted(c.stock.items()), 2)
@@ -181,19 +188,25 @@ def _chain(rng: random.Random, world: World) -> Plan:
 
 def _plain(rng: random.Random, world: World) -> Plan:
     kind = rng.random()
-    if kind < 0.4:
+    if kind < 0.3:
         t = rng.choice(world.towns)
         question = rng.choice(["Which region is {t} in?", "In which region does {t} lie?"]).format(t=t.name)
         return question, t.region, "exact", []
-    if kind < 0.5:
+    if kind < 0.4:
         r = rng.choice(world.regions)
         question = rng.choice(["What is the capital of {r}?", "Name the capital of {r}."]).format(r=r.name)
         return question, r.capital, "exact", []
-    if kind < 0.8:
+    if kind < 0.6:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         return rng.choice(["What is {a} + {b}?", "Add {a} and {b}."]).format(a=a, b=b), str(a + b), "numeric", []
-    i = rng.randrange(7)
-    return f"What day comes after {_DAYS[i]}?", _DAYS[(i + 1) % 7], "exact", []
+    if kind < 0.7:
+        i = rng.randrange(7)
+        return f"What day comes after {_DAYS[i]}?", _DAYS[(i + 1) % 7], "exact", []
+    # Spelling questions: trivial for a person, hard for a model that sees tokens, not letters.
+    word = rng.choice([t.name for t in world.towns] + [p.name.split()[1] for p in world.people])
+    if kind < 0.85:
+        return f"What is the first letter of the word {word}?", word[0], "exact", []
+    return f"How many letters are in the word {word}?", str(len(word)), "numeric", []
 
 
 BUILDERS: dict[str, Callable[[random.Random, World], Plan]] = {

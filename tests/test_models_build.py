@@ -156,3 +156,19 @@ def test_gold_trajectories_replay_with_the_reference_tools():
     assert run_tool("nope", {}, world=world, files={}).startswith("error:")
     town = world.towns[0]
     assert str(town.population) in run_tool("web_search", {"query": f"{town.name} population"}, world=world, files={})
+
+
+def test_models_cli_builds_and_describes(tmp_path):
+    """`rollmarket models build --quick` writes both models through the CLI, and `models info`
+    reads one back (architecture, experts, per-family accuracy)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "models", "build", "--quick", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (tmp_path / "tiny-moe" / "model.safetensors").exists()
+    info = subprocess.run([sys.executable, "-m", "rollmarket", "models", "info", str(tmp_path / "tiny-moe")],
+                          capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert "Qwen3MoeForCausalLM" in info.stdout and "8" in info.stdout and "calculator" in info.stdout

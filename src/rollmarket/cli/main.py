@@ -142,6 +142,10 @@ from .serve import serve_model  # noqa: E402
 
 main.add_command(serve_model)
 
+from .models import models  # noqa: E402
+
+main.add_command(models)
+
 from .proxy import captures, proxy  # noqa: E402
 
 main.add_command(proxy)

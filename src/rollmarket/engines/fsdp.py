@@ -275,8 +275,13 @@ def _worker(rank: int, world_size: int, backend: str, port: int, model_path: str
             Path(result_path).write_bytes(pickle.dumps(result))
         # A rank that leaves while a peer still reads its last message makes gloo abort the peer.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # gloo's threads can call std::terminate from C++ destructors at interpreter exit ("terminate
+    # called without an active exception", seen under load); the result is on disk, so leave
+    # without running them.
+    os._exit(0)
 
 
 def _checked_root(model_path) -> Path:

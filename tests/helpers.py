@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,3 +136,20 @@ def lease_one(client: WorkerClient, wait_s: float = 5.0) -> LeaseGrant:
     grant = client.lease(wait_s=wait_s)
     assert grant.lease is not None, grant
     return grant
+
+
+@contextmanager
+def served_model(model: Path, log: Path, *, precision: str = "bf16") -> Iterator[str]:
+    """`rollmarket serve-model` on a free loopback port with one torch thread; yields its /v1 URL."""
+    port = free_port()
+    with open(log, "ab") as handle:
+        proc = subprocess.Popen([sys.executable, "-m", "rollmarket", "serve-model", str(model), "--precision",
+                                 precision, "--device", "cpu", "--port", str(port), "--threads", "1"],
+                                stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, log=log, timeout=120)
+        yield url + "/v1"
+    finally:
+        proc.terminate()
+        proc.wait(20)

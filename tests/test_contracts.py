@@ -203,6 +203,25 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
         tool_calls=[contracts.CapturedToolCall(name="calculator", arguments="{}")],
         response_token_ids=np.array([5, 6, 2], np.int32), logprobs=np.array([-0.1, -0.2, -0.3], np.float32),
         routed_experts=np.zeros((3, 4, 2), np.int16)),
+    contracts.ToolResult: lambda: contracts.ToolResult(name="calculator", content="391", elapsed_s=0.001),
+    contracts.ToolCallRecord: lambda: contracts.ToolCallRecord(
+        id="call_0", name="calculator", raw_arguments='{"expression": "17 * 23"}',
+        arguments={"expression": "17 * 23"}, result=contracts.ToolResult(name="calculator", content="391")),
+    contracts.AgentStep: lambda: contracts.AgentStep(
+        index=0, prompt_token_ids=np.array([1, 2, 3], np.int32), response_token_ids=np.array([5, 6, 2], np.int32),
+        logprobs=np.array([-0.1, -0.2, -0.3], np.float32), routed_experts=np.zeros((3, 4, 2), np.int16),
+        content="", finish_reason="tool_calls"),
+    contracts.VerifyResult: lambda: contracts.VerifyResult(reward=0.9, passed=False, components={"answer": 1.0, "format": 0.5},
+                                                           info={"expected": "391"}),
+    contracts.AgentTrajectory: lambda: contracts.AgentTrajectory(
+        task_id="calc-1", sample_index=1, seed=7, model="tiny-moe",
+        messages=[{"role": "user", "content": "What is 17 * 23?"}, {"role": "assistant", "content": "391"}],
+        steps=[contracts.AgentStep(index=0, prompt_token_ids=np.array([1, 2], np.int32),
+                                   response_token_ids=np.array([9, 2], np.int32),
+                                   logprobs=np.array([-0.5, -0.1], np.float32), content="391",
+                                   finish_reason="stop")],
+        final_answer="391", terminal_reason=contracts.TerminalReason.final_answer,
+        verification=contracts.VerifyResult(reward=1.0, passed=True), wall_time_s=0.2),
     contracts.CaptureTimings: lambda: contracts.CaptureTimings(received_at=T0, total_s=0.2, proxy_s=0.001,
                                                                upstream_s=0.199),
     contracts.Capture: lambda: contracts.Capture(

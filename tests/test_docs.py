@@ -176,3 +176,44 @@ def test_readme_serve_and_proxy_quickstart_runs(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("fp1:") == 2
+
+
+def test_readme_agents_quickstart_runs(tmp_path):
+    """The README's collect + profile quickstart against a real server, verbatim but for the port,
+    the output paths and a task limit (the full suite takes minutes on a busy CPU)."""
+    import json
+
+    from rollmarket.localhost import free_port
+
+    readme = read("README.md")
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "rollmarket collect" in b)
+    serve_line, collect_line, profile_line = [line.rstrip(" &") for line in block.strip().splitlines()]
+    port = free_port()
+    out = tmp_path / "rollouts.jsonl"
+
+    def local(line: str) -> list[str]:
+        words = (line.replace("--port 8000", f"--port {port}").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+                 .replace("rollouts.jsonl", str(out)).split())
+        assert words[0] == "rollmarket"
+        return [sys.executable, "-m", "rollmarket", *words[1:]]
+
+    proc = _start(local(serve_line), tmp_path / "serve.log", f"http://127.0.0.1:{port}")
+    try:
+        done = subprocess.run(local(collect_line) + ["--limit", "6", "--runs-dir", str(tmp_path / "runs")],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(runs) == 24 and {r["sample_index"] for r in runs} == {0, 1, 2, 3}
+    assert all(r["verification"] is not None for r in runs)
+    done = subprocess.run(local(profile_line), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.with_name("rollouts.profile.json").read_text())
+    by_task: dict = {}
+    for r in runs:
+        by_task.setdefault(r["task_id"], []).append(r["verification"]["passed"])
+    # pass@1 with the unbiased estimator is the mean over tasks of each task's pass rate.
+    expected = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
+    assert report["overall"]["pass_at_k"]["1"] == pytest.approx(expected)

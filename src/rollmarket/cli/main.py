@@ -117,25 +117,34 @@ def exchange_audit(url: str, token: str, kind: str | None, subject: str | None, 
 @click.option("--timeout", default=240.0, show_default=True, help="Give up after this many seconds.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the simulated workers.")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
-              help="Run the simulated faulty and honest profiles (required until real agent workers land).")
+              help="Run the simulated faulty and honest profiles beside the real workers.")
 @click.option("--model", default="models/tiny-moe", show_default=True,
-              help="Model the policy is: a real engine worker samples it at bf16 and the trainer "
-                   "teacher-forces its groups at fp32. 'none' for the synthetic model alone.")
+              help="Model the policy is: real workers sample it and the trainer teacher-forces their "
+                   "groups at fp32. 'none' for the synthetic model alone (no real workers).")
+@click.option("--precisions", default="fp32,bf16,fp8", show_default=True,
+              help="Precision profiles of the real workers, one worker each.")
+@click.option("--suite", default="arithmetic", show_default=True, help="Task suite of the real workers' jobs.")
 def demo(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool,
-         model: str) -> None:
-    """Run the main job: an exchange, a real engine worker, faulty and honest simulated workers,
-    and a trainer, as real processes."""
+         model: str, precisions: str, suite: str) -> None:
+    """Run the main job: an exchange, real agent workers on the tiny MoE at several precisions,
+    faulty and honest simulated workers, and a trainer, as real processes."""
     from ..sim.demo import DemoConfig, run_demo
 
-    if not simulate:
-        raise click.UsageError("--no-simulate needs the agent workers of a later release")
+    real = [[f"tiny-moe-{p}", p] for p in precisions.split(",") if p]
+    unknown = [p for _, p in real if p not in ("fp32", "bf16", "fp16", "fp8")]
+    if unknown:
+        raise click.UsageError(f"--precisions: unknown {unknown}; choose from fp32, bf16, fp16, fp8")
     config = DemoConfig(steps=steps, min_steps=min_steps, timeout_s=timeout, seed=seed,
-                        model=None if model.lower() == "none" else model)
+                        model=None if model.lower() == "none" else model, real_workers=real, suite=suite)
+    if not simulate:
+        if not config.model or not real:
+            raise click.UsageError("--no-simulate needs real workers (a --model and --precisions)")
+        config.workers = []  # the fault paths come from the simulated profiles: none to wait for
     if config.model and not (Path(config.model) / "config.json").exists():
         raise click.UsageError(f"--model {config.model}: no such model directory (run from the "
                                "repository root or pass --model none)")
     summary = run_demo(config, runs_dir=runs_dir, console=console)
-    sys.exit(0 if summary["all_paths_fired"] else 1)
+    sys.exit(0 if summary["ok"] else 1)
 
 
 from .serve import serve_model  # noqa: E402
@@ -150,6 +159,23 @@ from .proxy import captures, proxy  # noqa: E402
 
 main.add_command(proxy)
 main.add_command(captures)
+
+from .agents import collect_command, worker_command  # noqa: E402
+
+main.add_command(collect_command)
+main.add_command(worker_command)
+
+from .suites import suites  # noqa: E402
+
+main.add_command(suites)
+
+from .verifier import verifier  # noqa: E402
+
+main.add_command(verifier)
+
+from .profile import profile  # noqa: E402
+
+main.add_command(profile)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,14 @@
 """Everything that crosses a process boundary. Pydantic v2, frozen, no torch."""
 
+from .agent import (
+    AgentStep,
+    AgentTrajectory,
+    TerminalReason,
+    ToolCallRecord,
+    ToolOutcome,
+    ToolResult,
+    VerifyResult,
+)
 from .base import CONTRACT_VERSION, Record, canonical_json, new_id, utc_now
 from .budget import BudgetReport
 from .capture import (

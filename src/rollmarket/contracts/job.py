@@ -23,6 +23,16 @@ class TaskSpec(Record):
     tools: list[str] = Field(default_factory=list, description="Tool names the agent may call.")
     verifier: str = Field(min_length=1, description="Name of the verifier that scores answers.")
     answer: Any = Field(default=None, description="Expected answer, as the verifier reads it.")
+    verifier_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the verifier: a tolerance, a JSON Schema, expected tool calls, "
+        "the components of a compound reward.",
+    )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="The task's directory, relative path -> text; read_file and python_eval see "
+        "only these files.",
+    )
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from . import (
-    Capture,
+    AgentTrajectory, Capture, VerifyResult,
     AuditPage, BudgetReport, EnqueueReceipt, ErrorBody, FailureReport, FetchResult,
     GroupDecision, HeartbeatReply, LeaseGrant, PolicyManifest, PoolStatus, ReloadAck,
     ReloadStatus, RolloutJob, RolloutLease, SampleGroup, SubmissionReceipt, TrainerFeedback,
@@ -16,7 +16,7 @@ from . import (
 )
 
 EXPORTED: tuple[type[BaseModel], ...] = (
-    Capture,
+    Capture, AgentTrajectory, VerifyResult,
     PolicyManifest, WorkerManifest, WorkerRegistration, WorkerHeartbeat, HeartbeatReply,
     RolloutJob, RolloutLease, LeaseGrant, FailureReport, EnqueueReceipt, Trajectory, SampleGroup,
     SubmissionReceipt, FetchResult, BudgetReport, GroupDecision, TrainerFeedback, ReloadAck,

@@ -1,8 +1,12 @@
-"""`rollmarket demo`: the exchange, honest and faulty workers and a trainer, as real processes.
+"""`rollmarket demo`: the exchange, real and simulated workers and a trainer, as real processes.
 
 The orchestrator starts `rollmarket exchange serve` on a free loopback port with its database in
-the run directory, one process per worker profile, and the simulated trainer; follows the audit
-log until every path has fired; stops everything; and writes the run directory:
+the run directory; real workers (`rollmarket worker` on the shipped tiny MoE model at several
+precision profiles, running the agent on a task suite with tools and verifiers); one process per
+simulated worker profile (honest and faulty); and the simulated trainer, which publishes a real
+checkpoint per version, teacher-forces the real workers' groups and lets the gate decide. It
+follows the audit log until every path has fired and every real worker has delivered; stops
+everything; and writes the run directory:
 
     runs/<UTC timestamp>-<id>/
         config.json      demo and exchange settings, code version
@@ -10,7 +14,8 @@ log until every path has fired; stops everything; and writes the run directory:
         metrics.jsonl    one line per trainer step
         audit.jsonl      the exchange's audit log
         exchange.db      the exchange's SQLite database
-        workers/*.jsonl  what each worker saw
+        workers/*.jsonl  what each worker saw (real workers: also *.rollouts.jsonl, every agent run)
+        checkpoints/     the last few policy versions' checkpoints
         logs/*.log       process output
 """
 
@@ -48,12 +53,14 @@ PATHS = {
 }
 
 DEFAULT_WORKERS = (
-    ("engine-bf16", Profile.engine, 1.0),
     ("honest-a", Profile.honest, 1.0), ("honest-b", Profile.honest, 1.5), ("noisy", Profile.noisy, 0.8),
     ("stale", Profile.stale, 1.0), ("toxic-tokenizer", Profile.toxic_tokenizer, 0.5),
     ("toxic-precision", Profile.toxic_precision, 0.6), ("no-logprobs", Profile.no_logprobs, 0.7),
     ("version-drift", Profile.version_drift, 0.9), ("crashing", Profile.crashing, 1.0),
 )
+
+
+DEFAULT_REAL_WORKERS = (("tiny-moe-fp32", "fp32"), ("tiny-moe-bf16", "bf16"), ("tiny-moe-fp8", "fp8"))
 
 
 @dataclass
@@ -73,9 +80,16 @@ class DemoConfig:
     preference_hold_s: float = 0.5
     max_attempts: int = 8
     model: str | None = "models/tiny-moe"
-    """The real model the policy is; the engine profile samples it and the trainer teacher-forces
-    its groups. None runs the synthetic model alone (and drops the engine profile)."""
+    """The real model the policy is; real workers sample it and the trainer teacher-forces their
+    groups. None runs the synthetic model alone (and no real workers)."""
     workers: list = field(default_factory=lambda: [list(w) for w in DEFAULT_WORKERS])
+    real_workers: list = field(default_factory=lambda: [list(w) for w in DEFAULT_REAL_WORKERS])
+    """[worker id, precision profile] of each real worker."""
+    suite: str = "arithmetic"
+    """Task suite (train split) of the real workers' jobs."""
+    real_jobs_per_step: int = 2
+    """Agent jobs per trainer step for each real precision."""
+    agent_max_steps: int = 4
 
 
 class _Processes:
@@ -194,7 +208,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
                                     "or pass --model PATH / --no-model)")
         env["ROLLMARKET_DEMO_MODEL"] = str(model.resolve())
     else:
-        config.workers = [w for w in config.workers if Profile(w[1]) is not Profile.engine]
+        config.real_workers = []
     run_dir = new_run_dir(runs_dir)
     (run_dir / "workers").mkdir()
     port = free_port()
@@ -222,6 +236,15 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
                                             *exchange_args], run_dir / "logs" / "exchange.log")
         wait_healthy(url, exchange, log=run_dir / "logs" / "exchange.log")
         console.print(f"exchange up on {url} (docs at {url}/docs)")
+        for worker_id, precision in config.real_workers:
+            procs.start(worker_id, [
+                sys.executable, "-m", "rollmarket", "worker", "--model", str(Path(config.model).resolve()),
+                "--precision", precision, "--threads", "1", "--exchange", url, "--worker-id", worker_id,
+                "--heartbeat-s", str(config.heartbeat_ttl_s / 5), "--lease-wait-s", "1",
+                "--max-steps", str(config.agent_max_steps),
+                "--events", str(run_dir / "workers" / f"{worker_id}.jsonl"),
+                "--rollouts", str(run_dir / "workers" / f"{worker_id}.rollouts.jsonl"),
+            ], run_dir / "logs" / f"worker-{worker_id}.log")
         for index, (worker_id, profile, price) in enumerate(config.workers):
             procs.start(worker_id, [
                 sys.executable, "-m", "rollmarket.sim.worker", "--url", url, "--profile", Profile(profile).value,
@@ -235,24 +258,33 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
             "--steps", str(config.steps), "--jobs-per-step", str(config.jobs_per_step),
             "--group-size", str(config.group_size), "--metrics", str(metrics_path),
             "--stop-file", str(stop_file), "--step-seconds", str(config.step_seconds),
+            "--checkpoints", str(run_dir / "checkpoints"), "--suite", config.suite,
+            "--real-precisions", ",".join(p for _, p in config.real_workers),
+            "--real-jobs", str(config.real_jobs_per_step),
         ], run_dir / "logs" / "trainer.log")
-        console.print(f"started {len(config.workers)} workers ({', '.join(w[0] for w in config.workers)}) "
-                      "and a trainer")
+        console.print(f"started {len(config.real_workers)} real workers "
+                      f"({', '.join(w[0] for w in config.real_workers) or 'none'}), "
+                      f"{len(config.workers)} simulated ({', '.join(w[0] for w in config.workers)}) and a trainer")
         trainer = TrainerClient(url, token, trainer_id="demo-observer")
         follower = _AuditFollower(trainer, run_dir / "audit.jsonl")
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
             steps_task = progress.add_task("trainer steps", total=config.steps, info="")
             paths_task = progress.add_task("paths fired", total=len(PATHS), info="")
+            real_task = progress.add_task("real workers delivered", total=len(config.real_workers), info="")
             while True:
                 follower.poll()
                 lines = _trainer_lines(metrics_path)
                 fired = follower.paths()
-                missing = [name for name, count in fired.items() if not count]
+                waiting = [w for w, _ in config.real_workers if not follower.per_worker[w]["accepted"]]
+                progress.update(real_task, completed=len(config.real_workers) - len(waiting),
+                                info=("waiting for " + ", ".join(waiting)) if waiting else "all delivered")
+                missing = [name for name, count in fired.items() if not count and config.workers] + waiting
                 progress.update(steps_task, completed=len(lines),
                                 info=f"policy v{lines[-1]['next_version'] if lines else 0}")
-                progress.update(paths_task, completed=len(PATHS) - len(missing),
-                                info=("waiting for " + ", ".join(missing)) if missing else "all fired")
+                progress.update(paths_task, completed=sum(1 for count in fired.values() if count),
+                                info=("waiting for " + ", ".join(n for n, c in fired.items() if not c))
+                                if not all(fired.values()) else "all fired")
                 if not missing and len(lines) >= config.min_steps and not stop_file.exists():
                     stop_file.touch()
                 if procs.procs["trainer"].poll() is not None:
@@ -284,6 +316,7 @@ def _summarize(config: DemoConfig, follower: _AuditFollower, pool, lines: list[d
                run_dir: Path) -> dict:
     paths = follower.paths()
     profiles = {w[0]: Profile(w[1]).value for w in config.workers}
+    profiles.update({worker_id: f"real-{precision}" for worker_id, precision in config.real_workers})
     quality = {w.worker_id: round(w.quality, 3) for w in pool.workers}
     status = {w.worker_id: w.status for w in pool.workers}
     workers = {}
@@ -300,12 +333,16 @@ def _summarize(config: DemoConfig, follower: _AuditFollower, pool, lines: list[d
         }
     return {
         "run_dir": str(run_dir),
+        "suite": config.suite if config.real_workers else None,
         "seconds": round(seconds, 1),
         "steps": len(lines),
         "active_version": pool.active_version,
         "published_version": pool.published_version,
         "paths": paths,
         "all_paths_fired": all(paths.values()),
+        "real_workers_delivered": all(follower.per_worker[w]["accepted"] for w, _ in config.real_workers),
+        "ok": (all(paths.values()) or not config.workers)
+              and all(follower.per_worker[w]["accepted"] for w, _ in config.real_workers),
         "decisions": dict(follower.decisions),
         "arrival_tiers": dict(follower.arrival_tiers),
         "rejection_reasons": dict(follower.rejections),
@@ -314,24 +351,46 @@ def _summarize(config: DemoConfig, follower: _AuditFollower, pool, lines: list[d
         "activations": follower.activations,
         "audit_events": dict(follower.kinds),
         "workers": workers,
-        "engine": _engine_summary(lines),
+        "engines": _engines_summary(config, follower, lines, run_dir),
     }
 
 
-def _engine_summary(lines: list[dict]) -> dict:
-    """What teacher forcing found in the groups the real engine sampled (bf16 vs fp32 trainer)."""
-    groups = sum(line.get("engine/groups") or 0 for line in lines)
+def _weighted(lines: list[dict], prefix: str, key: str):
+    """The mean of a per-step metric over the run, weighted by the step's group count."""
+    pairs = [(line[f"{prefix}/{key}"], line[f"{prefix}/groups"]) for line in lines
+             if line.get(f"{prefix}/{key}") is not None and line.get(f"{prefix}/groups")]
+    total = sum(w for _, w in pairs)
+    return round(sum(v * w for v, w in pairs) / total, 6) if total else None
 
-    def weighted(key: str):
-        pairs = [(line[key], line["engine/groups"]) for line in lines
-                 if line.get(key) is not None and line.get("engine/groups")]
-        total = sum(w for _, w in pairs)
-        return round(sum(v * w for v, w in pairs) / total, 6) if total else None
 
-    return {"groups": groups, "token_ess_mean": weighted("engine/token_ess_mean"),
-            "mean_abs_delta": weighted("engine/mean_abs_delta"),
-            "router_flip_rate": weighted("engine/router_flip_rate"),
-            "reward_mean": weighted("engine/reward_mean")}
+def _engines_summary(config: DemoConfig, follower: _AuditFollower, lines: list[dict], run_dir: Path) -> dict:
+    """Per real worker: what its agent runs scored (rewards, pass@k) and what teacher forcing at
+    the trainer's fp32 found in its groups (token ESS, |Δlogp|, router flips)."""
+    from ..contracts import AgentTrajectory
+    from ..verifiers.profile import profile_rollouts
+
+    engines = {}
+    for worker_id, precision in config.real_workers:
+        path = run_dir / "workers" / f"{worker_id}.rollouts.jsonl"
+        runs = [AgentTrajectory.model_validate_json(line) for line in path.read_text().splitlines()
+                if line.strip()] if path.exists() else []
+        report = profile_rollouts(runs).model_dump(mode="json") if runs else None
+        counts = follower.per_worker.get(worker_id, Counter())
+        prefix = f"engine/{precision}"
+        engines[worker_id] = {
+            "precision": precision,
+            "groups_accepted": counts["accepted"],
+            "decisions": {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("decision:")},
+            "runs": len(runs),
+            "reward_mean": report["overall"]["reward_mean"] if report else None,
+            "pass_at_k": report["overall"]["pass_at_k"] if report else {},
+            "terminal_reasons": report["overall"]["terminal_reasons"] if report else {},
+            "groups_scored": sum(line.get(f"{prefix}/groups") or 0 for line in lines),
+            "token_ess_mean": _weighted(lines, prefix, "token_ess_mean"),
+            "mean_abs_delta": _weighted(lines, prefix, "mean_abs_delta"),
+            "router_flip_rate": _weighted(lines, prefix, "router_flip_rate"),
+        }
+    return engines
 
 
 def _print_summary(console: Console, summary: dict) -> None:
@@ -362,14 +421,28 @@ def _print_summary(console: Console, summary: dict) -> None:
         if row["rejection_reasons"]:
             reasons = ", ".join(f"{k} ×{v}" for k, v in sorted(row["rejection_reasons"].items()))
             console.print(f"  {worker_id} rejected for: {reasons}", highlight=False)
-    engine = summary.get("engine") or {}
-    if engine.get("groups"):
-        console.print(
-            f"real engine (tiny MoE, bf16 rollout vs fp32 teacher forcing): {engine['groups']} groups, "
-            f"token ESS {engine['token_ess_mean']:.4f}, mean |Δlogp| {engine['mean_abs_delta']:.4f}, "
-            f"router flip {engine['router_flip_rate'] if engine['router_flip_rate'] is not None else '-'}",
-            highlight=False)
-    verdict = "[green]every path fired[/]" if summary["all_paths_fired"] else "[red]some paths did not fire[/]"
+    if summary.get("engines"):
+        engines = Table(title=f"real workers on the {summary.get('suite', '')} suite", caption=(
+            "reward and pass@k (unbiased, per task) from the verifiers; ESS, mean |Δlogp| and router "
+            "flips from teacher forcing the same tokens at fp32"))
+        for column in ("worker", "prec", "groups", "runs", "reward", "pass@1", "pass@4", "ESS", "|Δlogp|", "flip"):
+            engines.add_column(column, no_wrap=True, justify="left" if column == "worker" else "right")
+
+        def fmt(value, spec=".3f"):
+            return "-" if value is None else format(value, spec)
+
+        for worker_id, row in summary["engines"].items():
+            engines.add_row(worker_id, row["precision"], str(row["groups_accepted"]), str(row["runs"]),
+                            fmt(row["reward_mean"], ".2f"), fmt(row["pass_at_k"].get("1"), ".2f"),
+                            fmt(row["pass_at_k"].get("4"), ".2f"), fmt(row["token_ess_mean"], ".4f"),
+                            fmt(row["mean_abs_delta"], ".1e"), fmt(row["router_flip_rate"], ".1%"))
+        console.print(engines)
+    verdict = ("[green]every path fired[/]" if summary["all_paths_fired"] else
+               "[red]some paths did not fire[/]" if summary["workers"] and any(
+                   row["profile"] in {p.value for p in Profile} for row in summary["workers"].values())
+               else "[green]real workers only[/]")
+    if not summary["real_workers_delivered"]:
+        verdict += " [red](a real worker delivered nothing)[/]"
     console.print(
         f"{verdict} in {summary['seconds']}s over {summary['steps']} trainer steps; policy v"
         f"{summary['active_version']} active; {summary['reload_violations']} reload violation(s); "

@@ -17,9 +17,6 @@ from . import synthetic
 
 
 class Profile(str, Enum):
-    engine = "engine"
-    """A real rollout engine: the shipped tiny MoE model samples every token at bf16, and its
-    logprobs and routed experts are the engine's own; the trainer teacher-forces them."""
     honest = "honest"
     """bf16 engine whose logprobs sit within rounding of the trainer's."""
     noisy = "noisy"
@@ -83,35 +80,8 @@ def _trajectory(rng: np.random.Generator, grant: LeaseGrant, index: int, *, sigm
     )
 
 
-def engine_group(engine, client, grant: LeaseGrant, seed: int) -> SampleGroup:
-    """Sample a whole group on a real RolloutEngine and keep everything it returned."""
-    from ..engines import SamplingParams
-
-    job = grant.job
-    messages = job.task.messages or [{"role": "user", "content": job.task.prompt or ""}]
-    prompt = engine.encode_chat(messages)
-    cfg = job.sampling_config
-    params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=min(cfg.max_tokens, 48),
-                            seed=seed)
-    gens = engine.generate([prompt] * job.group_size, params)
-    trajectories = []
-    for i, gen in enumerate(gens):
-        text = engine.tokenizer.decode(gen.token_ids_T, skip_special_tokens=True)
-        expected = "" if job.task.answer is None else str(job.task.answer)
-        length = int(gen.token_ids_T.size)
-        trajectories.append(Trajectory(
-            sample_index=i, prompt_token_ids=gen.prompt_token_ids_P, response_token_ids=gen.token_ids_T,
-            logprobs=gen.logprobs_T, action_mask=np.ones(length, np.uint8),
-            tool_output_mask=np.zeros(length, np.uint8), routed_experts=gen.routed_experts_TLK,
-            # A stand-in verifier until the verifiers land: does the expected answer appear?
-            reward=float(bool(expected) and expected in text),
-            finish_reason=FinishReason.stop if gen.finish_reason == "stop" else FinishReason.length,
-        ))
-    return client.group_for(grant, trajectories, wall_time_s=gens[0].wall_s)
-
-
 def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, *, leases_seen: int,
-         lease_ttl_s: float, engine=None) -> GroupPlan:
+         lease_ttl_s: float, digests: dict[int, str] | None = None) -> GroupPlan:
     """What `profile` does with its `leases_seen`-th lease (1-based)."""
     size = grant.job.group_size
 
@@ -119,8 +89,6 @@ def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, 
         trajectories = [_trajectory(rng, grant, i, sigma=sigma, **kwargs) for i in range(size)]
         return client.group_for(grant, trajectories, wall_time_s=float(rng.uniform(0.5, 3.0)))
 
-    if profile is Profile.engine:
-        return GroupPlan(engine_group(engine, client, grant, seed=int(rng.integers(0, 2**31))))
     if profile is Profile.honest:
         return GroupPlan(group())
     if profile is Profile.noisy:
@@ -150,7 +118,7 @@ def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, 
         trajectories = [_trajectory(rng, grant, i, sigma=0.003) for i in range(size)]
         drifted = client.group_for(
             grant, trajectories, policy_version=previous,
-            checkpoint_digest=synthetic.checkpoint_digest(previous if version else version + 1000),
+            checkpoint_digest=(digests or {}).get(previous) if version else synthetic.checkpoint_digest(1000),
         )
         return GroupPlan(drifted)
     if profile is Profile.crashing:
@@ -160,9 +128,11 @@ def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, 
     raise ValueError(f"unknown profile {profile}")
 
 
-def reload_digest(profile: Profile, version: int, lied_before: bool) -> str:
-    """The digest a profile reports when it acks `version`: version-drift lies once, on its
-    first reload after the initial policy (it still holds the old weights)."""
-    if profile is Profile.version_drift and version >= 1 and not lied_before:
-        return synthetic.checkpoint_digest(version - 1)
-    return synthetic.checkpoint_digest(version)
+def reload_digest(profile: Profile, policy, digests: dict[int, str], lied_before: bool) -> str:
+    """The digest a profile reports when it acks `policy`: version-drift lies once, on its first
+    reload after the initial policy (it still holds the old weights). `digests` holds the
+    digests of the versions the worker has seen published."""
+    version = policy.policy_version
+    if profile is Profile.version_drift and version >= 1 and not lied_before and version - 1 in digests:
+        return digests[version - 1]
+    return policy.checkpoint_digest

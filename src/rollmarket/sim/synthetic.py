@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 
@@ -20,39 +22,69 @@ FORBIDDEN_MODULUS = 17
 FORBIDDEN_LOGPROB = -28.0
 MODEL_PATH = os.environ.get("ROLLMARKET_DEMO_MODEL") or None
 """The real model the demo's policy is (set by the demo for its child processes). With it, the
-policy carries that model's tokenizer and config hashes and vocabulary, and version 0 is its real
-checkpoint digest; the simulated profiles then pretend to run it, and the engine profile really
-does."""
+policy carries that model's tokenizer and config hashes and vocabulary, and every version is a real
+checkpoint directory (`write_checkpoint`); the simulated profiles pretend to run it, and the real
+workers (`rollmarket worker`) do."""
 
 if MODEL_PATH:
-    from ..engines.provenance import checkpoint_digest as _digest
     from ..engines.provenance import model_config, model_config_hash, tokenizer_hash
 
     TOKENIZER_HASH = tokenizer_hash(MODEL_PATH)
     MODEL_CONFIG_HASH = model_config_hash(MODEL_PATH)
     POLICY_VOCAB_SIZE = max(int(model_config(MODEL_PATH)["vocab_size"]), VOCAB_SIZE)
-    _BASE_DIGEST = _digest(MODEL_PATH)
 else:
     TOKENIZER_HASH = hashlib.sha256(b"rollmarket-sim-tokenizer").hexdigest()
     MODEL_CONFIG_HASH = hashlib.sha256(b"rollmarket-sim-config").hexdigest()
     POLICY_VOCAB_SIZE = VOCAB_SIZE
-    _BASE_DIGEST = None
 _ALLOWED_IDS = np.array([i for i in range(1, VOCAB_SIZE) if i % FORBIDDEN_MODULUS], dtype=np.int32)
 _FORBIDDEN_IDS = np.array([i for i in range(1, VOCAB_SIZE) if i % FORBIDDEN_MODULUS == 0], dtype=np.int32)
 
 
 def checkpoint_digest(version: int) -> str:
-    """Version 0 of a real-model demo is the shipped checkpoint. Nothing trains in the demo yet,
-    so later versions are labels derived from it (the weights stay the same)."""
-    if _BASE_DIGEST is not None:
-        return _BASE_DIGEST if version == 0 else hashlib.sha256(f"{_BASE_DIGEST}:{version}".encode()).hexdigest()
+    """The digest of a synthetic policy version (no weights behind it)."""
     return hashlib.sha256(f"rollmarket-sim-checkpoint-{version}".encode()).hexdigest()
 
 
-def policy_manifest(version: int) -> PolicyManifest:
+def write_checkpoint(version: int, root: Path) -> Path:
+    """Version `version` of a real-model demo as a checkpoint directory workers can load.
+
+    Nothing trains in the demo (the reference trainer does that), so each version holds the
+    shipped weights re-saved with the version in the safetensors metadata: the same numbers, a
+    new file and so a new digest. Real workers load it, check its digest and ack, as they would a
+    trained checkpoint.
+    """
+    from safetensors.torch import load_file, save_file
+
+    target = root / f"v{version:04d}"
+    if (target / "model.safetensors").exists():
+        return target
+    partial = root / f".v{version:04d}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    source = Path(MODEL_PATH)
+    for item in source.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy2(item, partial / item.name)
+    for weights in sorted(source.glob("*.safetensors")):
+        save_file(load_file(str(weights)), str(partial / weights.name),
+                  metadata={"format": "pt", "policy_version": str(version)})
+    partial.rename(target)
+    return target
+
+
+def policy_manifest(version: int, checkpoints: Path | None = None) -> PolicyManifest:
+    """The demo's policy at `version`: a real checkpoint under `checkpoints` when the demo runs a
+    real model, else a synthetic label."""
+    if MODEL_PATH and checkpoints is not None:
+        from ..engines.provenance import checkpoint_digest as _digest
+
+        path = write_checkpoint(version, checkpoints)
+        digest, uri = _digest(path), str(path)
+    else:
+        digest, uri = checkpoint_digest(version), f"sim://checkpoint/{version}"
     return PolicyManifest(
         policy_version=version, parent_version=None if version == 0 else version - 1,
-        checkpoint_digest=checkpoint_digest(version), checkpoint_uri=f"sim://checkpoint/{version}",
+        checkpoint_digest=digest, checkpoint_uri=uri,
         tokenizer_hash=TOKENIZER_HASH, model_config_hash=MODEL_CONFIG_HASH, vocab_size=POLICY_VOCAB_SIZE,
         precision_class="bf16",
     )

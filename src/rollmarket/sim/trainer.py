@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..client import ExchangeError, TrainerClient
-from ..contracts import DecisionStatus, RolloutJob, TaskSpec, Tier
+from ..contracts import DecisionStatus, RolloutJob, SamplingConfig, TaskSpec, Tier
 from ..gate import GateConfig, budget_report, decide
 from . import synthetic
 
@@ -40,7 +41,7 @@ class Scorer:
         self._engine = None
 
     def is_real(self, group) -> bool:
-        return bool(synthetic.MODEL_PATH) and group.engine_name == "rollmarket-hf"
+        return bool(synthetic.MODEL_PATH) and group.engine_name == REAL_ENGINE
 
     def __call__(self, group) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
         if not self.is_real(group):
@@ -59,34 +60,75 @@ def _mean(values: list[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+REAL_ENGINE = "rollmarket-hf"
+SIM_ENGINES = ["sim-bf16", "sim-fp8"]
+
+
 def make_jobs(step: int, version: int, count: int, group_size: int) -> list[RolloutJob]:
+    """Jobs for the simulated workers (their engines only)."""
     return [
         RolloutJob(
             job_id=f"job-s{step:03d}-{i:02d}", idempotency_key=f"demo-step{step}-job{i}",
             task=TaskSpec(task_id=f"arith-{step}-{i}", prompt=f"What is {step * 7 + i} + {i * 13}?",
                           verifier="numeric", answer=step * 7 + i + i * 13),
             policy_version=version, group_size=group_size, sampling_config=synthetic.demo_sampling(),
-            max_context_tokens=2048,
+            max_context_tokens=2048, allowed_engines=SIM_ENGINES,
         )
         for i in range(count)
     ]
 
 
+def make_real_jobs(step: int, version: int, tasks: list[TaskSpec], precisions: list[str], per_precision: int,
+                   group_size: int) -> list[RolloutJob]:
+    """Agent jobs on suite tasks for the real workers, `per_precision` for each precision profile."""
+    from ..engines.precision import Precision
+
+    jobs = []
+    for p, precision in enumerate(precisions):
+        for i in range(per_precision):
+            task = tasks[(step * per_precision + i) % len(tasks)]
+            jobs.append(RolloutJob(
+                job_id=f"job-s{step:03d}-{precision}-{i:02d}", idempotency_key=f"demo-step{step}-{precision}-{i}",
+                task=task, policy_version=version, group_size=group_size,
+                sampling_config=SamplingConfig(temperature=1.0, max_tokens=96, seed=step * 1000 + p * 100 + i),
+                required_precision=precision, required_quantization=Precision(precision).quantization,
+                allowed_engines=[REAL_ENGINE], max_context_tokens=2048, priority=1,
+            ))
+    return jobs
+
+
+def publish(trainer: TrainerClient, version: int, checkpoints: Path | None, keep: int = 3) -> None:
+    """Publish `version` (writing its checkpoint first) and drop checkpoints `keep` versions old."""
+    trainer.publish_policy(synthetic.policy_manifest(version, checkpoints))
+    if checkpoints is not None and version >= keep:
+        shutil.rmtree(checkpoints / f"v{version - keep:04d}", ignore_errors=True)
+
+
 def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, metrics_path: Path,
-        stop_file: Path | None, step_seconds: float, replay_every: int) -> int:
+        stop_file: Path | None, step_seconds: float, replay_every: int, *, checkpoints: Path | None = None,
+        suite: str = "arithmetic", real_precisions: list[str] = (), real_jobs: int = 2) -> int:
     gate = GateConfig()
     trainer = TrainerClient(url, token, trainer_id="sim-trainer", retries=8)
     out = open(metrics_path, "a", buffering=1)
     version = 0
     scorer = Scorer()
-    trainer.publish_policy(synthetic.policy_manifest(version))
+    real_precisions = list(real_precisions) if synthetic.MODEL_PATH else []
+    tasks = []
+    if real_precisions:
+        from ..tasks.suites import load_suite
+
+        tasks = load_suite(suite, "train")
+    publish(trainer, version, checkpoints)
     trainer.wait_for_quorum(version, timeout=120)
     for step in range(steps):
         started = time.time()
         trainer.enqueue(make_jobs(step, version, jobs_per_step, group_size))
+        if real_precisions:
+            trainer.enqueue(make_real_jobs(step, version, tasks, real_precisions, real_jobs, group_size))
         decisions: Counter = Counter()
         ess, abs_delta = [], []
         real: dict[str, list[float]] = {"ess": [], "abs_delta": [], "flip": [], "reward": []}
+        per_precision: dict[str, dict[str, list[float]]] = {}
         deadline = time.time() + step_seconds
         while time.time() < deadline:
             batch = trainer.fetch(tier=Tier.fresh, limit=32)
@@ -96,11 +138,14 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
                 report = budget_report(group, logprobs, trainer_routed_experts=experts,
                                        policy_lag_steps=fetched.current_lag, config=gate)
                 if scorer.is_real(group):
-                    real["ess"].append(report.token_ess)
-                    real["abs_delta"].append(report.mean_abs_delta)
-                    if report.router_flip_rate is not None:
-                        real["flip"].append(report.router_flip_rate)
-                    real["reward"].extend(t.reward for t in group.trajectories if t.reward is not None)
+                    mine = per_precision.setdefault(group.precision_class,
+                                                    {"ess": [], "abs_delta": [], "flip": [], "reward": []})
+                    for bucket in (real, mine):
+                        bucket["ess"].append(report.token_ess)
+                        bucket["abs_delta"].append(report.mean_abs_delta)
+                        if report.router_flip_rate is not None:
+                            bucket["flip"].append(report.router_flip_rate)
+                        bucket["reward"].extend(t.reward for t in group.trajectories)
                 decision = decide(report, gate, decided_by="sim-trainer")
                 trainer.report(group.group_id, decision)
                 decisions[decision.status.value] += 1
@@ -114,7 +159,7 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
             replay_served = len(trainer.fetch(tier=Tier.replay, limit=8).groups)
         previous = version
         version += 1
-        trainer.publish_policy(synthetic.policy_manifest(version))
+        publish(trainer, version, checkpoints)
         try:
             pool = trainer.wait_for_quorum(version, timeout=30)
             quorum = f"{pool.acks}/{pool.quorum}"
@@ -132,6 +177,11 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
             "engine/mean_abs_delta": _mean(real["abs_delta"]),
             "engine/router_flip_rate": _mean(real["flip"]),
             "engine/reward_mean": _mean(real["reward"]),
+            **{f"engine/{p}/{key}": value for p, bucket in sorted(per_precision.items())
+               for key, value in (("groups", len(bucket["ess"])), ("token_ess_mean", _mean(bucket["ess"])),
+                                  ("mean_abs_delta", _mean(bucket["abs_delta"])),
+                                  ("router_flip_rate", _mean(bucket["flip"])),
+                                  ("reward_mean", _mean(bucket["reward"])))},
             "timing_s/step": round(time.time() - started, 3),
         }
         out.write(json.dumps(line) + "\n")
@@ -153,11 +203,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-file", type=Path, default=None)
     parser.add_argument("--step-seconds", type=float, default=1.5)
     parser.add_argument("--replay-every", type=int, default=3)
+    parser.add_argument("--checkpoints", type=Path, default=None,
+                        help="Write each version's checkpoint here (real-model demo).")
+    parser.add_argument("--suite", default="arithmetic", help="Task suite of the real workers' jobs.")
+    parser.add_argument("--real-precisions", default="", help="Comma-separated precisions of real workers.")
+    parser.add_argument("--real-jobs", type=int, default=2, help="Agent jobs per step per real precision.")
     args = parser.parse_args(argv)
     if not args.token:
         parser.error("--token or ROLLMARKET_TRAINER_TOKEN is required")
     return run(args.url, args.token, args.steps, args.jobs_per_step, args.group_size, args.metrics,
-               args.stop_file, args.step_seconds, args.replay_every)
+               args.stop_file, args.step_seconds, args.replay_every, checkpoints=args.checkpoints,
+               suite=args.suite, real_precisions=[p for p in args.real_precisions.split(",") if p],
+               real_jobs=args.real_jobs)
 
 
 if __name__ == "__main__":

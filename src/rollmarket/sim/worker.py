@@ -25,6 +25,7 @@ from ..client import (
     WorkerClient,
 )
 from ..contracts import FailureKind, NoLeaseReason, WorkerManifest
+from ..worker.heartbeat import Heartbeater
 from . import synthetic
 from .profiles import Profile, plan, reload_digest
 
@@ -39,39 +40,7 @@ class EventLog:
             self._file.write(json.dumps({"t": time.time(), "event": kind, **self._base, **data}) + "\n")
 
 
-class Heartbeater(threading.Thread):
-    """Beats every `interval` seconds on its own connection until stopped (or the process dies)."""
-
-    def __init__(self, client: WorkerClient, interval: float):
-        super().__init__(daemon=True, name="heartbeat")
-        self.client = client
-        self.interval = interval
-        self.stopped = threading.Event()
-        self.reload_required = threading.Event()
-        self.active_leases: set[str] = set()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.interval):
-            try:
-                reply = self.client.heartbeat(active_lease_ids=sorted(self.active_leases))
-            except ExchangeError:
-                continue
-            if reply.reload_required:
-                self.reload_required.set()
-
-
-def manifest_for(profile: Profile, worker_id: str, price: float, engine=None) -> WorkerManifest:
-    if engine is not None:
-        from .. import __version__
-
-        return WorkerManifest(
-            worker_id=worker_id, engine_name=engine.name, engine_version=__version__,
-            engine_fingerprint=engine.fingerprint(), device_type=engine.loaded.device.type,
-            precision_classes=[engine.precision.value],
-            supported_tokenizer_hashes=[engine.info.tokenizer_hash],
-            max_context_tokens=engine.info.max_context_tokens, max_concurrent_groups=1,
-            returns_routed_experts=engine.info.is_moe, price_hint=price,
-        )
+def manifest_for(profile: Profile, worker_id: str, price: float) -> WorkerManifest:
     engine = "sim-fp8" if profile is Profile.toxic_precision else "sim-bf16"
     return WorkerManifest(
         worker_id=worker_id, engine_name=engine, engine_version="0.1",
@@ -81,44 +50,11 @@ def manifest_for(profile: Profile, worker_id: str, price: float, engine=None) ->
     )
 
 
-def _plan_renewing(client: WorkerClient, lease_id: str, lease_ttl_s: float, work):
-    """Run slow work (real sampling) in a thread and renew the lease while it runs."""
-    result: dict = {}
-
-    def target() -> None:
-        try:
-            result["plan"] = work()
-        except BaseException as exc:  # re-raised in the worker's own thread
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True, name="sampling")
-    thread.start()
-    while thread.is_alive():
-        thread.join(lease_ttl_s / 3)
-        if thread.is_alive():
-            try:
-                client.renew(lease_id)
-            except ExchangeError:
-                pass
-    if "error" in result:
-        raise result["error"]
-    return result["plan"]
-
-
 def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path | None,
-        lease_ttl_s: float, heartbeat_s: float, price: float, precision: str = "bf16") -> int:
+        lease_ttl_s: float, heartbeat_s: float, price: float) -> int:
     rng = np.random.default_rng(seed)
     log = EventLog(events_path, worker_id, profile)
-    engine = None
-    if profile is Profile.engine:
-        from ..engines import RolloutEngine
-
-        if not synthetic.MODEL_PATH:
-            raise SystemExit("the engine profile needs ROLLMARKET_DEMO_MODEL (a model directory)")
-        engine = RolloutEngine.from_path(synthetic.MODEL_PATH, precision, "cpu")
-        log("engine_loaded", model=synthetic.MODEL_PATH, precision=precision,
-            fingerprint=engine.fingerprint())
-    manifest = manifest_for(profile, worker_id, price, engine)
+    manifest = manifest_for(profile, worker_id, price)
     client = WorkerClient(url, retries=8)
     registration = client.register(manifest)
     log("registered", heartbeat_ttl_s=registration.heartbeat_ttl_s)
@@ -129,14 +65,18 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     lied = False
     leases_seen = 0
+    digests: dict[int, str] = {}
+    """Digests of the policy versions this worker has seen published."""
+    if registration.policy is not None:
+        digests[registration.policy.policy_version] = registration.policy.checkpoint_digest
 
     def reload(policy) -> None:
         nonlocal lied
-        digest = reload_digest(profile, policy.policy_version, lied)
+        digests[policy.policy_version] = policy.checkpoint_digest
+        digest = reload_digest(profile, policy, digests, lied)
         lied = lied or digest != policy.checkpoint_digest
         time.sleep(0.02)  # "loading weights"
-        fingerprint = (engine.fingerprint() if engine is not None
-                       else synthetic.fingerprint(manifest.engine_name, policy.policy_version))
+        fingerprint = synthetic.fingerprint(manifest.engine_name, policy.policy_version)
         try:
             status = client.ack_reload(policy.policy_version, digest, engine_fingerprint=fingerprint,
                                        load_seconds=0.02)
@@ -160,11 +100,9 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
         lease_id = grant.lease.lease_id
         beats.active_leases.add(lease_id)
         log("leased", lease_id=lease_id, job_id=grant.lease.job_id, version=grant.lease.policy_version)
-        if engine is None:
-            decision = plan(profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s)
-        else:
-            decision = _plan_renewing(client, lease_id, lease_ttl_s, lambda: plan(
-                profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s, engine=engine))
+        digests[grant.policy.policy_version] = grant.policy.checkpoint_digest
+        decision = plan(profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s,
+                        digests=digests)
         if decision.crash:
             log("crashing", lease_id=lease_id)
             os._exit(3)  # dies holding the lease: no fail report, no more heartbeats
@@ -209,10 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl-s", type=float, default=10.0)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--price", type=float, default=1.0)
-    parser.add_argument("--precision", default="bf16", help="Precision profile of the engine profile.")
     args = parser.parse_args(argv)
     return run(args.url, Profile(args.profile), args.worker_id, args.seed, args.events, args.lease_ttl_s,
-               args.heartbeat_s, args.price, args.precision)
+               args.heartbeat_s, args.price)
 
 
 if __name__ == "__main__":

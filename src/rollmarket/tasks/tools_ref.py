@@ -29,6 +29,8 @@ READ_FILE = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
 TOOL_SCHEMAS: dict[str, dict[str, Any]] = {"calculator": CALCULATOR, "web_search": WEB_SEARCH, "read_file": READ_FILE}
 SEARCH_TOP_K = 2
+MAX_RESULT_BITS = 4096
+"""Integer powers larger than this fail before they are computed (a float holds at most 1024 bits)."""
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -53,6 +55,10 @@ def _eval(node: ast.AST) -> float:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > 64:
             raise ValueError("exponent too large")
+        if isinstance(node.op, ast.Pow) and isinstance(left, int) and isinstance(right, int) \
+                and abs(left).bit_length() * right > MAX_RESULT_BITS:
+            # Nested powers, ((9**64)**64)**64, would otherwise build a gigabyte integer first.
+            raise ValueError("result too large")
         return _BINOPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
         return _UNOPS[type(node.op)](_eval(node.operand))

@@ -1,0 +1,208 @@
+"""The model a worker samples from: an embedded engine served on loopback, or a server elsewhere.
+
+Either way the agent loop talks to it over the OpenAI API, so the worker runs the same code
+against `rollmarket serve-model`, the capture proxy or vLLM. The host also answers what the
+exchange needs to know: the engine's identity, numerics, fingerprint and loaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ..contracts import PolicyManifest
+
+
+class HostError(RuntimeError):
+    """The model could not be loaded, served or identified."""
+
+
+class ReloadRefused(HostError):
+    """The published checkpoint is not what the manifest says (digest) or cannot be reached."""
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What the WorkerManifest and every SampleGroup say about the engine."""
+
+    engine_name: str
+    engine_version: str
+    engine_fingerprint: str
+    device_type: str
+    precision: str
+    quantization: str
+    tokenizer_hash: str
+    checkpoint_digest: str
+    max_context_tokens: int
+    returns_routed_experts: bool
+    model_name: str
+
+
+class EmbeddedHost:
+    """Loads a model directory into a RolloutEngine and serves it on a loopback port.
+
+    A reload loads the new checkpoint, checks its digest against the manifest, and restarts the
+    loopback server on the new engine (the worker holds no lease while it reloads).
+    """
+
+    def __init__(self, model_path: str | Path, precision: str = "bf16", device: str = "cpu",
+                 *, threads: int | None = None, max_batch_seqs: int = 32):
+        self.precision = precision
+        self.device = device
+        self.max_batch_seqs = max_batch_seqs
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.url = ""
+        self.engine = self._load(Path(model_path))
+        self._serve()
+
+    def _load(self, path: Path):
+        from ..engines import ModelLoadError, RolloutEngine
+
+        try:
+            return RolloutEngine.from_path(path, self.precision, self.device)
+        except (ModelLoadError, ValueError, OSError) as exc:
+            raise HostError(f"could not load {path}: {exc}") from None
+
+    def _serve(self) -> None:
+        import uvicorn
+
+        from ..localhost import free_port
+        from ..serve import create_serve_app
+        from ..serve.settings import ServeSettings
+
+        port = free_port()
+        settings = ServeSettings(model_path=self.engine.info.path, precision=self.precision, port=port,
+                                 max_batch_seqs=self.max_batch_seqs)
+        app = create_serve_app(self.engine, settings)
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True, name="model-server")
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self._server.started:
+                return
+            if not self._thread.is_alive():
+                break
+            time.sleep(0.02)
+        raise HostError("the embedded model server did not start")
+
+    def _stop_server(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=15)
+            self._server = None
+
+    def identity(self) -> EngineIdentity:
+        from .. import __version__
+
+        engine = self.engine
+        return EngineIdentity(
+            engine_name=engine.name, engine_version=__version__, engine_fingerprint=engine.fingerprint(),
+            device_type=engine.loaded.device.type, precision=engine.precision.value,
+            quantization=engine.precision.quantization, tokenizer_hash=engine.info.tokenizer_hash,
+            checkpoint_digest=engine.info.checkpoint_digest, max_context_tokens=engine.info.max_context_tokens,
+            returns_routed_experts=engine.info.is_moe, model_name=engine.info.name,
+        )
+
+    def load(self, policy: PolicyManifest) -> EngineIdentity:
+        """Make the engine run `policy`'s checkpoint; raises ReloadRefused when it cannot."""
+        from ..engines.provenance import checkpoint_digest
+
+        if self.engine.info.checkpoint_digest == policy.checkpoint_digest:
+            return self.identity()
+        uri = policy.checkpoint_uri or ""
+        path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+        if not uri or not path.is_dir():
+            raise ReloadRefused(f"policy v{policy.policy_version}: checkpoint {uri!r} is not a local directory")
+        try:
+            on_disk = checkpoint_digest(path)
+        except Exception as exc:  # unreadable weights are a refusal, not a crash
+            raise ReloadRefused(f"policy v{policy.policy_version}: {exc}") from None
+        if on_disk != policy.checkpoint_digest:
+            raise ReloadRefused(f"policy v{policy.policy_version}: {path} has digest {on_disk[:12]}…, "
+                                f"the manifest says {policy.checkpoint_digest[:12]}…")
+        engine = self._load(path)
+        if engine.info.checkpoint_digest != policy.checkpoint_digest:
+            raise ReloadRefused("the checkpoint changed while it was loading")
+        self._stop_server()
+        self.engine = engine
+        self._serve()
+        return self.identity()
+
+    def close(self) -> None:
+        self._stop_server()
+
+
+class RemoteHost:
+    """A model served elsewhere (any OpenAI-compatible server).
+
+    Its identity comes from `GET /v1/engine` when the server is `rollmarket serve-model` (or the
+    capture proxy in front of one). Other servers (vLLM, SGLang) don't report their checkpoint,
+    so pass `model_dir` (the same directory the server loaded) for the tokenizer hash and digest.
+    Such a worker cannot load weights itself: it acks a policy only when the server already runs
+    that checkpoint.
+    """
+
+    def __init__(self, url: str, *, model_dir: str | Path | None = None, precision: str = "bf16",
+                 api_key: str | None = None):
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/v1"):
+            self.url += "/v1"
+        self.model_dir = Path(model_dir) if model_dir else None
+        self.precision = precision
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def identity(self) -> EngineIdentity:
+        base = self.url[: -len("/v1")]
+        try:
+            answer = httpx.get(base + "/v1/engine", headers=self.headers, timeout=30)
+            info = answer.json() if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            info = None
+        if info and "checkpoint_digest" in info:
+            return EngineIdentity(
+                engine_name=info["engine_name"], engine_version=str(info.get("engine_version", "remote")),
+                engine_fingerprint=info["engine_fingerprint"], device_type=info.get("device", "remote"),
+                precision=info["precision"], quantization=info.get("quantization", "none"),
+                tokenizer_hash=info["tokenizer_hash"], checkpoint_digest=info["checkpoint_digest"],
+                max_context_tokens=int(info.get("max_context_tokens", 4096)),
+                returns_routed_experts=bool(info.get("moe_layers")), model_name=info.get("model", ""),
+            )
+        if self.model_dir is None:
+            raise HostError(f"{base} does not report /v1/engine; pass --model-dir (the directory it serves)")
+        from ..engines.provenance import checkpoint_digest, model_config, tokenizer_hash
+
+        config = model_config(self.model_dir)
+        digest = checkpoint_digest(self.model_dir)
+        return EngineIdentity(
+            engine_name="openai-compatible", engine_version="unknown",
+            engine_fingerprint="remote:" + hashlib.sha256(f"{base}:{digest}".encode()).hexdigest()[:32],
+            device_type="remote", precision=self.precision,
+            quantization="fp8-e4m3-per-channel" if self.precision == "fp8" else "none",
+            tokenizer_hash=tokenizer_hash(self.model_dir), checkpoint_digest=digest,
+            max_context_tokens=int(config.get("max_position_embeddings", 4096)),
+            returns_routed_experts=False, model_name=self.model_dir.name,
+        )
+
+    def load(self, policy: PolicyManifest) -> EngineIdentity:
+        identity = self.identity()
+        if identity.checkpoint_digest != policy.checkpoint_digest:
+            raise ReloadRefused(f"the server at {self.url} runs {identity.checkpoint_digest[:12]}…, policy "
+                                f"v{policy.policy_version} needs {policy.checkpoint_digest[:12]}…; reload the "
+                                "server with that checkpoint")
+        return identity
+
+    def close(self) -> None:
+        pass

@@ -33,6 +33,7 @@ bench: venv-test
 	$(BIN)/python benchmarks/proxy_latency.py
 	$(BIN)/python benchmarks/serve_throughput.py
 	$(BIN)/python benchmarks/teacher_forcing.py
+	$(BIN)/python benchmarks/agent_collect.py
 
 # Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 40 minutes on 2 cores).
 models: venv

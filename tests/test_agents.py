@@ -211,3 +211,35 @@ def test_a_tool_the_task_does_not_offer_is_a_tool_message():
         result = session.call("calculator", "{not json")
         assert result.outcome is ToolOutcome.bad_arguments
         assert session.call("calculator", '{"expression": "17 * 23"}').content == "391"
+
+
+def test_the_same_loop_runs_through_the_capture_proxy(served, tmp_path):
+    """Agent → proxy → server: the proxy records each turn, linked into one conversation, with the
+    same ids the agent kept."""
+    import subprocess
+    import sys
+
+    from rollmarket.localhost import wait_healthy
+    from rollmarket.proxy.store import CaptureStore
+
+    port = free_port()
+    store = tmp_path / "captures.db"
+    upstream = served.removesuffix("/v1")
+    with open(tmp_path / "proxy.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rollmarket", "proxy", "--upstream", upstream, "--port",
+                                 str(port), "--store", str(store)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log=tmp_path / "proxy.log", timeout=60)
+        task = next(t for t in tool_tasks() if t.task_id.startswith("chain"))
+        run = Agent(ChatModel(f"http://127.0.0.1:{port}/v1"), LocalToolbox()).run(
+            task, Sampling(temperature=1.0, max_tokens=96, seed=5))
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    assert len(run.steps) >= 2, "a chain task takes several turns"
+    captures = [capture for _, capture in CaptureStore(store).iter_captures()]
+    assert len(captures) == len(run.steps)
+    assert len({c.conversation_id for c in captures}) == 1
+    for capture, s in zip(sorted(captures, key=lambda c: c.turn_index), run.steps):
+        assert capture.prompt_token_ids.tolist() == s.prompt_token_ids.tolist()
+        assert capture.choices[0].response_token_ids.tolist() == s.response_token_ids.tolist()

@@ -94,3 +94,44 @@ def test_a_bad_tasks_file_is_refused_with_its_line(tmp_path, server):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no-such-verifier" in done.stderr
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_collect_with_tools_and_verifiers_on_a_resources_server(server, tmp_path):
+    """--resources-url: every tool call and every verdict goes over HTTP to `rollmarket verifier
+    serve`, one session per run; the results match what the in-process tools would say."""
+    import subprocess as sp
+
+    from rollmarket.agents.tools import run_tool
+    from rollmarket.agents.workspace import task_workspace
+    from rollmarket.localhost import wait_healthy
+    from rollmarket.tasks.suites import load_suite
+
+    port = free_port()
+    with open(tmp_path / "resources.log", "ab") as log:
+        proc = sp.Popen([sys.executable, "-m", "rollmarket", "verifier", "serve", "--port", str(port)],
+                        stdout=log, stderr=sp.STDOUT)
+    out = tmp_path / "rollouts.jsonl"
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log=tmp_path / "resources.log", timeout=60)
+        cmd = collect_cmd(server, out, tmp_path, "--limit", "4", "--repeats", "2",
+                          "--resources-url", f"http://127.0.0.1:{port}")
+        cmd[cmd.index("arithmetic:heldout")] = "lookup:heldout"
+        done = sp.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    runs = lines(out)
+    assert len(runs) == 8 and all(r["verification"] is not None for r in runs)
+    tasks = {t.task_id: t for t in load_suite("lookup", "heldout")}
+    calls = 0
+    for r in runs:
+        task = tasks[r["task_id"]]
+        for s in r["steps"]:
+            for call in s["tool_calls"]:
+                if call["arguments"] is None:
+                    continue
+                with task_workspace(task.files) as context:
+                    assert call["result"]["content"] == run_tool(call["name"], call["arguments"], context).content
+                calls += 1
+    assert calls >= 4, "lookup tasks call web_search or read_file"

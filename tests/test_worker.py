@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import ExchangeProcess, sha
+from helpers import ExchangeProcess, served_model, sha
 from rollmarket.contracts import AgentTrajectory, PolicyManifest, RolloutJob, SamplingConfig
 from rollmarket.engines.provenance import checkpoint_digest, model_config, model_config_hash, tokenizer_hash
 from rollmarket.tasks.suites import load_suite
@@ -42,12 +42,13 @@ def jobs(version: int, n: int, *, group_size: int = 2, suite: str = "arithmetic"
 
 
 class Worker:
-    def __init__(self, url: str, worker_id: str, tmp: Path, precision: str = "bf16"):
+    def __init__(self, url: str, worker_id: str, tmp: Path, precision: str = "bf16", model_url: str | None = None):
         self.events = tmp / f"{worker_id}.events.jsonl"
         self.rollouts = tmp / f"{worker_id}.rollouts.jsonl"
         self.log = open(tmp / f"{worker_id}.log", "ab")
+        model = ["--model-url", model_url] if model_url else ["--model", str(MOE), "--precision", precision]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollmarket", "worker", "--model", str(MOE), "--precision", precision,
+            [sys.executable, "-m", "rollmarket", "worker", *model,
              "--threads", "1", "--exchange", url, "--worker-id", worker_id, "--heartbeat-s", "0.4",
              "--lease-wait-s", "1", "--events", str(self.events), "--rollouts", str(self.rollouts)],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -191,3 +192,53 @@ def test_a_worker_killed_mid_lease_has_its_job_finished_by_another(exchange, tmp
     finally:
         second.stop()
     assert trainer.pool().jobs.get("done") == 1
+
+
+@pytest.mark.slow
+def test_a_worker_on_a_model_server_elsewhere(exchange, tmp_path):
+    """--model-url: the worker samples from a server it does not own; its identity comes from the
+    server's /v1/engine, and it acks a policy only when the server runs that checkpoint."""
+    trainer = exchange.trainer()
+    trainer.publish_policy(policy(0, MOE))
+    with served_model(MOE, tmp_path / "serve.log", precision="fp8") as model_url:
+        worker = Worker(exchange.url, "remote-fp8", tmp_path, model_url=model_url)
+        try:
+            manifest = worker.wait_for("registered")["manifest"]
+            assert manifest["precision_classes"] == ["fp8"]
+            assert manifest["quantization_classes"] == ["fp8-e4m3-per-channel"]
+            worker.wait_for("reload_acked", version=0)
+            trainer.enqueue([job.model_copy(update={"required_precision": "fp8",
+                                                    "required_quantization": "fp8-e4m3-per-channel"})
+                             for job in jobs(0, 1, start=3, group_size=3)])
+            wait_done(trainer, 1)
+            [fetched] = trainer.fetch(limit=5).groups
+            group = fetched.group
+            assert group.worker_id == "remote-fp8" and group.precision_class == "fp8"
+            assert group.engine_fingerprint == manifest["engine_fingerprint"]
+            assert all(t.routed_experts is not None for t in group.trajectories)
+            # It cannot load weights: a new checkpoint is refused until the server runs it.
+            trainer.publish_policy(policy(1, resaved_checkpoint(tmp_path, 1)))
+            assert "reload the server" in worker.wait_for("reload_refused", version=1)["error"]
+        finally:
+            worker.stop()
+
+
+@pytest.mark.slow
+def test_a_job_no_worker_can_run_fails_for_good_and_the_worker_goes_on(exchange, tmp_path):
+    trainer = exchange.trainer()
+    trainer.publish_policy(policy(0, MOE))
+    [good] = jobs(0, 1, start=5)
+    broken = good.model_copy(update={"job_id": "job-broken", "idempotency_key": "job-broken",
+                                     "task": good.task.model_copy(update={"verifier": "no-such-verifier"}),
+                                     "priority": 5})
+    worker = Worker(exchange.url, "steady", tmp_path)
+    try:
+        worker.wait_for("registered")
+        trainer.enqueue([broken, good])
+        failed = worker.wait_for("failed")
+        assert "no-such-verifier" in failed["message"] and failed["job_state"] == "failed"
+        worker.wait_for("submitted", task_id=good.task.task_id)
+        assert [j.job.job_id for j in trainer.jobs(state="failed")] == ["job-broken"]
+        assert worker.proc.poll() is None
+    finally:
+        worker.stop()

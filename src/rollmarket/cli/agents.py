@@ -37,19 +37,16 @@ def _load_tasks(spec: str):
 def _check_tasks(tasks) -> None:
     """Refuse, before any run, tasks that could only fail: unknown verifiers, bad verifier args,
     unsafe file paths."""
-    from ..agents.workspace import UnsafeTaskPath, check_task_path
-    from ..verifiers import VERIFIERS, VerifierConfigError, get_verifier
+    from ..verifiers import VERIFIERS
+    from ..worker.runner import task_problem
 
     unknown = sorted({t.verifier for t in tasks} - set(VERIFIERS))
     if unknown:
         raise click.BadParameter(f"unknown verifier(s) {unknown}; known: {sorted(VERIFIERS)}", param_hint="--tasks")
     for task in tasks:
-        try:
-            get_verifier(task.verifier).check(task)
-            for path in task.files:
-                check_task_path(path)
-        except (VerifierConfigError, UnsafeTaskPath) as exc:
-            raise click.BadParameter(f"task {task.task_id}: {exc}", param_hint="--tasks") from None
+        problem = task_problem(task)
+        if problem:
+            raise click.BadParameter(f"task {task.task_id}: {problem}", param_hint="--tasks")
 
 
 @click.command("collect")

@@ -32,6 +32,7 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -422,10 +423,11 @@ def _print_summary(console: Console, summary: dict) -> None:
             reasons = ", ".join(f"{k} ×{v}" for k, v in sorted(row["rejection_reasons"].items()))
             console.print(f"  {worker_id} rejected for: {reasons}", highlight=False)
     if summary.get("engines"):
-        engines = Table(title=f"real workers on the {summary.get('suite', '')} suite", caption=(
+        engines = Table(title=f"real workers on the {summary.get('suite', '')} suite", box=box.SIMPLE_HEAD,
+                        pad_edge=False, collapse_padding=True, caption=(
             "reward and pass@k (unbiased, per task) from the verifiers; ESS, mean |Δlogp| and router "
             "flips from teacher forcing the same tokens at fp32"))
-        for column in ("worker", "prec", "groups", "runs", "reward", "pass@1", "pass@4", "ESS", "|Δlogp|", "flip"):
+        for column in ("worker", "prec", "grp", "runs", "reward", "p@1", "p@4", "ESS", "|Δlogp|", "flip"):
             engines.add_column(column, no_wrap=True, justify="left" if column == "worker" else "right")
 
         def fmt(value, spec=".3f"):

@@ -71,6 +71,21 @@ def manifest_for(identity: EngineIdentity, worker_id: str, price: float) -> Work
     )
 
 
+def task_problem(task: TaskSpec) -> str | None:
+    """Why a task cannot be run and verified anywhere (unknown verifier, bad verifier args, unsafe
+    file paths), or None."""
+    from ..agents.workspace import UnsafeTaskPath, check_task_path
+    from ..verifiers import VerifierConfigError, get_verifier
+
+    try:
+        get_verifier(task.verifier).check(task)
+        for path in task.files:
+            check_task_path(path)
+    except (VerifierConfigError, UnsafeTaskPath) as exc:
+        return str(exc)
+    return None
+
+
 def job_seed(job_id: str) -> int:
     """A job without a seed still samples the same way on every worker that runs it."""
     return int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16)
@@ -171,12 +186,21 @@ class AgentWorker:
         self.events("leased", lease_id=lease.lease_id, job_id=job.job_id, task_id=job.task.task_id,
                     version=lease.policy_version, group_size=job.group_size)
         started = time.perf_counter()
+        problem = task_problem(job.task)
+        if problem:  # no worker can run this task: fail the job for good instead of bouncing it around
+            self._fail(lease.lease_id, FailureKind.other, f"bad task: {problem}", retryable=False)
+            return
 
         def should_stop() -> bool:
             return stop.is_set() or lease.lease_id in beats.cancelled
 
-        runs = run_renewing(self.client, lease.lease_id, self._lease_ttl, lambda: self.agent.run_group(
-            job.task, job.group_size, sampling, concurrency=self.settings.concurrency, should_stop=should_stop))
+        try:
+            runs = run_renewing(self.client, lease.lease_id, self._lease_ttl, lambda: self.agent.run_group(
+                job.task, job.group_size, sampling, concurrency=self.settings.concurrency, should_stop=should_stop))
+        except Exception as exc:  # one bad job never takes the worker down
+            log.exception("agent group failed")
+            self._fail(lease.lease_id, FailureKind.engine_error, f"{type(exc).__name__}: {exc}", retryable=True)
+            return
         self._save_runs(runs, lease.lease_id, lease.policy_version)
         if should_stop():
             self._fail(lease.lease_id, FailureKind.cancelled, "stopped while running", retryable=True)

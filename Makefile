@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test venv venv-test bench models schema clean
+.PHONY: demo test venv venv-test browser bench models schema clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ venv-test: $(VENV)/.installed-test
 demo: venv
 	$(BIN)/rollmarket demo
 
-test: venv-test
+# The dashboard's browser tests drive Debian's chromium through Playwright; `playwright install`
+# (a browser download) is never used.
+browser:
+	@test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
+test: venv-test browser
 	$(BIN)/python -m pytest
 
 bench: venv-test

@@ -145,6 +145,45 @@ def make_fetched() -> FetchedGroup:
                         received_at=T0, lag_at_arrival=0, current_lag=1, served_count=1)
 
 
+def make_worst_token() -> contracts.WorstToken:
+    return contracts.WorstToken(position=7, token_id=391, token_text=" 391", delta=-2.5,
+                                rollout_logprob=-0.1, trainer_logprob=-2.6, context_before="17 * 23 =",
+                                context_after=".", turn=1)
+
+
+def make_dense_report() -> contracts.DenseMismatchReport:
+    return contracts.DenseMismatchReport(
+        trajectory_id="calc-1#0", rollout_engine="fp8", trainer_engine="fp32", n_tokens=12,
+        token_ess=0.97, sequence_log_ratio=-0.4, mean_delta=-0.03, mean_abs_delta=0.05,
+        max_abs_delta=2.5, clipped_fraction=0.0, veto_fraction=0.0, second_moment=1.03,
+        top1pct_gradient_mass=0.09, kl_k1=0.03, kl_k3=0.002, chi2=0.03, log_ppl_rollout=0.8,
+        log_ppl_trainer=0.83, log_ppl_diff=0.03, mean_prob_diff=0.004, response_length=15,
+        worst_token=make_worst_token())
+
+
+def make_interval() -> contracts.Interval:
+    return contracts.Interval(mean=0.97, lo=0.95, hi=0.99, n=40)
+
+
+def make_divergence() -> contracts.AgentDivergenceReport:
+    return contracts.AgentDivergenceReport(
+        task_id="calc-1", sample_index=0, engine_a="fp32", engine_b="fp8", first_divergent_step=1,
+        kind=contracts.DivergenceKind.tool_args, tool_choice_disagreement_rate=0.0, tool_call_jaccard=0.5,
+        final_answer_match_strict=False, final_answer_match_soft=True, steps_a=2, steps_b=2,
+        split_turn=make_dense_report(),
+        top_delta_tokens=[contracts.DeltaToken(position=3, token_text="2", delta=-1.5, rollout_logprob=-0.2,
+                                               trainer_logprob=-1.7)])
+
+
+def make_cell() -> contracts.MatrixCell:
+    return contracts.MatrixCell(
+        rollout_engine="fp8", trainer_engine="fp32", n=40, tokens=4000, token_ess=make_interval(),
+        sequence_ess=0.8, mean_abs_delta=make_interval(), max_abs_delta=2.5, kl_k3=make_interval(),
+        mean_prob_diff=make_interval(), router_flip_rate=make_interval(),
+        token_expert_disagreement_rate=make_interval(), worst_layer=1, worst_layer_flip_rate=0.2,
+        worst_token=make_worst_token(), worst_trajectory_id="calc-1#0", low_n=False)
+
+
 FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
     PolicyManifest: lambda: policy(3, created_at=T0, allowed_engines=["hf"]),
     ReloadAck: lambda: ReloadAck(worker_id="w1", policy_version=3, checkpoint_digest=sha("ckpt-3"),
@@ -230,6 +269,24 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
         messages=[{"role": "user", "content": "What is 2 + 2?"}], prompt_token_ids=np.array([1, 2, 3], np.int32),
         choices=[contracts.CapturedChoice(index=0, content="4", finish_reason="stop")], status_code=200,
         timings=contracts.CaptureTimings(received_at=T0, total_s=0.2, proxy_s=0.001)),
+    contracts.WorstToken: make_worst_token,
+    contracts.DenseMismatchReport: make_dense_report,
+    contracts.RouterMismatchReport: lambda: contracts.RouterMismatchReport(
+        trajectory_id="calc-1#0", rollout_engine="fp8", trainer_engine="fp32", n_tokens=12, num_layers=2,
+        top_k=2, router_flip_rate=0.25, token_expert_disagreement_rate=0.5, per_layer_flip_rate=[0.0, 0.5],
+        worst_layer=1, worst_layer_flip_rate=0.5, topk_overlap=0.875),
+    contracts.DeltaToken: lambda: contracts.DeltaToken(position=3, token_text="2", delta=-1.5,
+                                                       rollout_logprob=-0.2, trainer_logprob=-1.7),
+    contracts.AgentDivergenceReport: make_divergence,
+    contracts.Interval: make_interval,
+    contracts.MatrixCell: make_cell,
+    contracts.LengthPoint: lambda: contracts.LengthPoint(
+        rollout_engine="fp8", trainer_engine="fp32", max_tokens=256, mean_response_tokens=201.5,
+        token_ess=make_interval(), mean_abs_delta=make_interval()),
+    contracts.ObservatoryMatrix: lambda: contracts.ObservatoryMatrix(
+        model="tiny-moe", suite="arithmetic", rollout_engines=["fp8"], trainer_engines=["fp32"],
+        cells=[make_cell()], length_scaling=[], divergence=[make_divergence()],
+        created_at="2026-11-26T12:00:00Z"),
 }
 
 CONTRACTS = sorted(FACTORIES, key=lambda cls: cls.__name__)

@@ -68,6 +68,16 @@ def test_demo_fires_every_path_and_writes_its_run_directory(tmp_path):
     assert len(rollouts) == 3 and all(p.stat().st_size for p in rollouts)
     assert any((run_dir / "checkpoints").iterdir())
 
+    # It ends with the observatory matrix over the real workers' runs.
+    from rollmarket.contracts import ObservatoryMatrix
+
+    matrix = ObservatoryMatrix.model_validate_json((run_dir / "matrix.json").read_text())
+    assert sorted(matrix.rollout_engines) == ["bf16", "fp32", "fp8"] and matrix.trainer_engines == ["fp32", "bf16"]
+    assert len(matrix.cells) == 6 and all(c.n >= 4 and c.token_ess.mean is not None for c in matrix.cells)
+    assert {p.max_tokens for p in matrix.length_scaling} == {64, 256}
+    assert matrix.divergence, "same tasks, same seeds on three precisions: the runs were compared"
+    assert "rollmarket dashboard --runs" in done.stdout + done.stderr
+
     metrics_doc = (ROOT / "docs/metrics.md").read_text()
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines, "no trainer steps recorded"

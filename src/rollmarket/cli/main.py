@@ -177,6 +177,14 @@ from .profile import profile  # noqa: E402
 
 main.add_command(profile)
 
+from .observe import observe  # noqa: E402
+
+main.add_command(observe)
+
+from .dashboard import dashboard  # noqa: E402
+
+main.add_command(dashboard)
+
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,18 @@ from .job import (
     SamplingConfig,
     TaskSpec,
 )
+from .observatory import (
+    AgentDivergenceReport,
+    DeltaToken,
+    DenseMismatchReport,
+    DivergenceKind,
+    Interval,
+    LengthPoint,
+    MatrixCell,
+    ObservatoryMatrix,
+    RouterMismatchReport,
+    WorstToken,
+)
 from .policy import PolicyManifest, ReloadAck, ReloadStatus
 from .pool import AuditEvent, AuditPage, PoolStatus, WorkerDetail, WorkerSummary
 from .sample import (

@@ -8,7 +8,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from . import (
-    AgentTrajectory, Capture, VerifyResult,
+    AgentDivergenceReport, AgentTrajectory, Capture, DenseMismatchReport, ObservatoryMatrix,
+    RouterMismatchReport, VerifyResult,
     AuditPage, BudgetReport, EnqueueReceipt, ErrorBody, FailureReport, FetchResult,
     GroupDecision, HeartbeatReply, LeaseGrant, PolicyManifest, PoolStatus, ReloadAck,
     ReloadStatus, RolloutJob, RolloutLease, SampleGroup, SubmissionReceipt, TrainerFeedback,
@@ -21,6 +22,7 @@ EXPORTED: tuple[type[BaseModel], ...] = (
     RolloutJob, RolloutLease, LeaseGrant, FailureReport, EnqueueReceipt, Trajectory, SampleGroup,
     SubmissionReceipt, FetchResult, BudgetReport, GroupDecision, TrainerFeedback, ReloadAck,
     ReloadStatus, PoolStatus, AuditPage, ErrorBody,
+    DenseMismatchReport, RouterMismatchReport, AgentDivergenceReport, ObservatoryMatrix,
 )
 
 

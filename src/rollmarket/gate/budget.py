@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from ..contracts import BudgetReport, SampleGroup, Trajectory
+from ..observatory.dense import dense_summary
+from ..observatory.router import top1_differs
 from .config import GateConfig
 
 IMPOSSIBLE_LOGPROB = 1e4
@@ -36,60 +37,39 @@ def budget_from_arrays(
 ) -> BudgetReport:
     """The statistics over N valid tokens drawn from `n_sequences` sequences.
 
-    `sequence_ids_N` says which sequence each token belongs to (0 .. n_sequences-1).
+    `sequence_ids_N` says which sequence each token belongs to (0 .. n_sequences-1). The
+    statistics are the observatory's (`rollmarket.observatory.dense_summary`).
     """
-    rollout_N = np.asarray(rollout_logprobs_N, dtype=np.float64)
+    rollout_N = np.asarray(rollout_logprobs_N)
     # A trainer logprob of -inf (or NaN) marks a token the trainer deems impossible: give it a
     # huge finite Δ so the report stays finite and the veto quarantines the group.
     trainer_N = np.nan_to_num(np.asarray(trainer_logprobs_N, dtype=np.float64),
                               nan=-IMPOSSIBLE_LOGPROB, neginf=-IMPOSSIBLE_LOGPROB, posinf=0.0)
-    if rollout_N.shape != trainer_N.shape or rollout_N.ndim != 1:
-        raise ValueError(f"logprob shapes differ: {rollout_N.shape} vs {trainer_N.shape}")
-    n = rollout_N.shape[0]
-    c = config.clamp
-    if n == 0:
+    sequence_ids_N = np.asarray(sequence_ids_N, dtype=np.int64)
+    if rollout_N.ndim != 1 or rollout_N.shape != trainer_N.shape or sequence_ids_N.shape != rollout_N.shape:
+        raise ValueError(f"logprob and sequence id shapes differ: {rollout_N.shape}, {trainer_N.shape}, "
+                         f"{sequence_ids_N.shape}")
+    if sequence_ids_N.size and not (0 <= sequence_ids_N.min() and sequence_ids_N.max() < n_sequences):
+        raise ValueError(f"sequence ids must lie in 0 .. {n_sequences - 1}")
+    if (np.diff(sequence_ids_N) < 0).any():  # dense_summary takes consecutive sequences
+        order_N = np.argsort(sequence_ids_N, kind="stable")
+        rollout_N, trainer_N, sequence_ids_N = rollout_N[order_N], trainer_N[order_N], sequence_ids_N[order_N]
+    s = dense_summary(rollout_N, trainer_N, clamp=config.clamp, veto=config.veto_abs_delta,
+                      lengths=np.bincount(sequence_ids_N, minlength=n_sequences))
+    common = dict(group_id=group_id, n_tokens=s.n_tokens, n_sequences=n_sequences, clamp=config.clamp,
+                  router_flip_rate=router_flip_rate, policy_lag_steps=policy_lag_steps)
+    if s.n_tokens == 0:  # nothing is off-policy
         return BudgetReport(
-            group_id=group_id, n_tokens=0, n_sequences=n_sequences, clamp=c, token_ess=1.0,
-            sequence_ess=1.0, mean_delta=0.0, mean_abs_delta=0.0, max_abs_delta=0.0,
-            clipped_fraction=0.0, veto_fraction=0.0, second_moment=1.0, top1pct_mass=0.0,
-            kl_k1=0.0, kl_k3=0.0, chi2=0.0, mean_prob_diff=0.0,
-            router_flip_rate=router_flip_rate, policy_lag_steps=policy_lag_steps,
+            **common, token_ess=1.0, sequence_ess=1.0, mean_delta=0.0, mean_abs_delta=0.0,
+            max_abs_delta=0.0, clipped_fraction=0.0, veto_fraction=0.0, second_moment=1.0,
+            top1pct_mass=0.0, kl_k1=0.0, kl_k3=0.0, chi2=0.0, mean_prob_diff=0.0,
         )
-    delta_N = trainer_N - rollout_N
-    abs_N = np.abs(delta_N)
-    clipped_N = np.clip(delta_N, -c, c)
-    w_N = np.exp(clipped_N)
-    sum_w = w_N.sum()
-    sum_w2 = np.square(w_N).sum()
-    token_ess = float(sum_w * sum_w / (n * sum_w2))
-
-    seq_delta_S = np.bincount(sequence_ids_N, weights=delta_N, minlength=n_sequences)
-    w_S = np.exp(np.clip(seq_delta_S, -c, c))
-    sequence_ess = float(w_S.sum() ** 2 / (n_sequences * np.square(w_S).sum()))
-
-    k = max(1, math.ceil(0.01 * n))
-    top_k = np.partition(w_N, n - k)[n - k:]
-    # r uses the clamped Δ so that one absurd token cannot make k3 or χ² infinite.
     return BudgetReport(
-        group_id=group_id,
-        n_tokens=n,
-        n_sequences=n_sequences,
-        clamp=c,
-        token_ess=token_ess,
-        sequence_ess=sequence_ess,
-        mean_delta=float(delta_N.mean()),
-        mean_abs_delta=float(abs_N.mean()),
-        max_abs_delta=float(abs_N.max()),
-        clipped_fraction=float((abs_N > c).mean()),
-        veto_fraction=float((abs_N > config.veto_abs_delta).mean()),
-        second_moment=float(sum_w2 / n),
-        top1pct_mass=float(top_k.sum() / sum_w),
-        kl_k1=float(-delta_N.mean()),
-        kl_k3=float((w_N - clipped_N - 1.0).mean()),
-        chi2=float(sum_w2 / n - 1.0),
-        mean_prob_diff=float(np.abs(np.exp(rollout_N) - np.exp(trainer_N)).mean()),
-        router_flip_rate=router_flip_rate,
-        policy_lag_steps=policy_lag_steps,
+        **common, token_ess=s.token_ess, sequence_ess=s.sequence_ess, mean_delta=s.mean_delta,
+        mean_abs_delta=s.mean_abs_delta, max_abs_delta=s.max_abs_delta,
+        clipped_fraction=s.clipped_fraction, veto_fraction=s.veto_fraction,
+        second_moment=s.second_moment, top1pct_mass=s.top1pct_gradient_mass, kl_k1=s.kl_k1,
+        kl_k3=s.kl_k3, chi2=s.chi2, mean_prob_diff=s.mean_prob_diff,
     )
 
 
@@ -105,9 +85,7 @@ def router_flip_rate(
     positions = 0
     for rollout_TLK, trainer_TLK, valid_T in zip(rollout_experts, trainer_experts, valid_masks,
                                                   strict=True):
-        if rollout_TLK.shape[:2] != trainer_TLK.shape[:2]:
-            raise ValueError(f"routed expert shapes differ: {rollout_TLK.shape} vs {trainer_TLK.shape}")
-        differ_TL = rollout_TLK[valid_T, :, 0] != trainer_TLK[valid_T, :, 0]
+        differ_TL = top1_differs(rollout_TLK, trainer_TLK)[valid_T]
         flips += int(differ_TL.sum())
         positions += differ_TL.size
     return flips / positions if positions else 0.0

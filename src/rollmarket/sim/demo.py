@@ -91,6 +91,11 @@ class DemoConfig:
     real_jobs_per_step: int = 2
     """Agent jobs per trainer step for each real precision."""
     agent_max_steps: int = 4
+    observe_trainers: list = field(default_factory=lambda: ["fp32", "bf16"])
+    """Trainer engines the observatory teacher-forces the real workers' runs on at the end."""
+    observe_lengths: list = field(default_factory=lambda: [64, 256])
+    """Length probes of the observatory (responses sampled to exactly these lengths)."""
+    observe_length_n: int = 8
 
 
 class _Processes:
@@ -308,9 +313,48 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
         procs.close()
     stop_file.unlink(missing_ok=True)
     summary = _summarize(config, follower, pool, _trainer_lines(metrics_path), time.monotonic() - started, run_dir)
+    if config.real_workers:
+        summary["observatory"] = _observe(config, run_dir, console)
+    summary["seconds"] = round(time.monotonic() - started, 1)
     write_json(run_dir / "summary.json", summary)
     _print_summary(console, summary)
+    if config.real_workers:
+        console.print(f"observatory matrix: {run_dir}/matrix.json — see it with "
+                      f"[bold]rollmarket dashboard --runs {run_dir.parent}[/] (then open "
+                      f"http://127.0.0.1:8080/runs/{run_dir.name})", highlight=False)
     return summary
+
+
+def _observe(config: DemoConfig, run_dir: Path, console: Console) -> dict:
+    """The observatory over the real workers' agent runs: each precision's runs teacher-forced on
+    the trainer engines, with length probes and agent divergence, written into the run directory."""
+    from ..cli.observe import print_matrix
+    from ..observatory.runner import ObserveSettings, run_observatory
+
+    sources = {precision: str(run_dir / "workers" / f"{worker_id}.rollouts.jsonl")
+               for worker_id, precision in config.real_workers
+               if (run_dir / "workers" / f"{worker_id}.rollouts.jsonl").exists()}
+    if not sources:
+        return {}
+    settings = ObserveSettings(
+        model=str(Path(config.model).resolve()), suite=config.suite, split="train",
+        rollout_engines=list(sources), trainer_engines=list(config.observe_trainers),
+        n=config.observe_length_n, lengths=list(config.observe_lengths), length_n=config.observe_length_n,
+        from_rollouts=sources)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
+                  transient=True) as bars:
+        stages: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in stages:
+                stages[stage] = bars.add_task(f"observatory: {stage}", total=total)
+            bars.update(stages[stage], completed=done, total=total)
+
+        matrix = run_observatory(settings, run_dir, progress)
+    print_matrix(matrix, console)
+    return {"matrix": str(run_dir / "matrix.json"), "cells": len(matrix.cells),
+            "diverged": sum(d.first_divergent_step is not None for d in matrix.divergence),
+            "compared": len(matrix.divergence)}
 
 
 def _summarize(config: DemoConfig, follower: _AuditFollower, pool, lines: list[dict], seconds: float,

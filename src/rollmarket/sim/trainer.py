@@ -84,13 +84,14 @@ def make_real_jobs(step: int, version: int, tasks: list[TaskSpec], precisions: l
     from ..engines.precision import Precision
 
     jobs = []
-    for p, precision in enumerate(precisions):
+    for precision in precisions:
         for i in range(per_precision):
             task = tasks[(step * per_precision + i) % len(tasks)]
             jobs.append(RolloutJob(
                 job_id=f"job-s{step:03d}-{precision}-{i:02d}", idempotency_key=f"demo-step{step}-{precision}-{i}",
                 task=task, policy_version=version, group_size=group_size,
-                sampling_config=SamplingConfig(temperature=1.0, max_tokens=96, seed=step * 1000 + p * 100 + i),
+                # The same task with the same seed on every precision: the observatory compares the runs.
+                sampling_config=SamplingConfig(temperature=1.0, max_tokens=96, seed=step * 1000 + i),
                 required_precision=precision, required_quantization=Precision(precision).quantization,
                 allowed_engines=[REAL_ENGINE], max_context_tokens=2048, priority=1,
             ))

@@ -1,0 +1,141 @@
+"""`rollmarket observe`: the mismatch matrix of rollout engines × trainer engines over the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console(stderr=True)
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def ess_band(value: float | None) -> str:
+    if value is None:
+        return "dim"
+    return "green" if value > 0.99 else "yellow" if value >= 0.95 else "red"
+
+
+def flip_band(value: float | None) -> str:
+    if value is None:
+        return "dim"
+    return "green" if value <= 0.05 else "yellow" if value <= 0.15 else "red"
+
+
+def print_matrix(matrix, out: Console = console) -> None:
+    """The dense and router matrices as tables: token ESS [95% interval] and mean |Δlogp| per tile."""
+    dense = Table(title=f"token ESS (mean |Δlogp|) — rows: rollout engine, columns: trainer engine, {matrix.model}")
+    dense.add_column("rollout \\ trainer")
+    for t in matrix.trainer_engines:
+        dense.add_column(t, justify="right")
+    cells = {(c.rollout_engine, c.trainer_engine): c for c in matrix.cells}
+    for r in matrix.rollout_engines:
+        row = [r]
+        for t in matrix.trainer_engines:
+            c = cells[(r, t)]
+            e = c.token_ess
+            if e.mean is None:
+                row.append("-")
+                continue
+            row.append(f"[{ess_band(e.mean)}]{e.mean:.4f}[/] [{e.lo:.4f}, {e.hi:.4f}]\n"
+                       f"|Δ| {c.mean_abs_delta.mean:.2e}  n={c.n}{' (n<30)' if c.low_n else ''}")
+        dense.add_row(*row, end_section=True)
+    out.print(dense)
+    if any(c.router_flip_rate is not None for c in matrix.cells):
+        router = Table(title="router flip rate (top-1 expert differs per token and MoE layer)")
+        router.add_column("rollout \\ trainer")
+        for t in matrix.trainer_engines:
+            router.add_column(t, justify="right")
+        for r in matrix.rollout_engines:
+            row = [r]
+            for t in matrix.trainer_engines:
+                f = cells[(r, t)].router_flip_rate
+                c = cells[(r, t)]
+                row.append("-" if f is None or f.mean is None else
+                           f"[{flip_band(f.mean)}]{f.mean:.2%}[/] [{f.lo:.2%}, {f.hi:.2%}]\n"
+                           f"{c.tokens} tok, worst layer {c.worst_layer}")
+            router.add_row(*row, end_section=True)
+        out.print(router)
+
+
+@click.command("observe")
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Model directory (e.g. models/tiny-moe, or any Hugging Face model on a GPU).")
+@click.option("--suite", default="agent", show_default=True, help="Task suite the agent runs.")
+@click.option("--split", default="heldout", show_default=True)
+@click.option("--rollout-engines", default="fp32,bf16,fp16,fp8", show_default=True,
+              help="Precision profiles to sample at, comma-separated.")
+@click.option("--trainer-engines", default="fp32,bf16,fsdp-bf16", show_default=True,
+              help="Engines that teacher-force: a precision, or fsdp-<precision> (FSDP2 over --fsdp-world-size ranks).")
+@click.option("--n", default=30, show_default=True, type=click.IntRange(1), help="Agent runs per rollout engine.")
+@click.option("--lengths", default="128,512,2048", show_default=True,
+              help="Length probes: responses sampled to exactly these lengths ('' for none).")
+@click.option("--length-n", type=click.IntRange(1), default=None, help="Probes per length [default: --n].")
+@click.option("--max-steps", default=6, show_default=True, help="Agent turns per run.")
+@click.option("--max-tokens", default=128, show_default=True, help="Tokens per agent turn.")
+@click.option("--temperature", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or auto.")
+@click.option("--concurrency", default=16, show_default=True, help="Agent runs in flight.")
+@click.option("--fsdp-world-size", default=2, show_default=True)
+@click.option("--from-rollouts", "from_rollouts", multiple=True, metavar="ENGINE=FILE",
+              help="Use these agent runs (AgentTrajectory JSONL: collect output, a worker's --rollouts) as "
+                   "rollout engine ENGINE instead of sampling. Repeatable.")
+@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
+def observe(model, suite, split, rollout_engines, trainer_engines, n, lengths, length_n, max_steps, max_tokens,
+            temperature, seed, device, concurrency, fsdp_world_size, from_rollouts, runs_dir) -> None:
+    """Sample agent runs on each rollout engine, teacher-force the same token ids on each trainer
+    engine, and write per-trajectory reports, the matrix with bootstrap intervals, length scaling
+    and agent divergence to runs/<stamp>-<id>/. Then: rollmarket dashboard --runs RUNS_DIR."""
+    from ..observatory.runner import ObserveSettings, run_observatory
+    from ..runs import new_run_dir
+
+    sources = {}
+    for item in from_rollouts:
+        engine, _, path = item.partition("=")
+        if not path or not Path(path).exists():
+            raise click.BadParameter(f"{item!r}: expected ENGINE=FILE with an existing file", param_hint="--from-rollouts")
+        sources[engine] = path
+    rollouts = _csv(rollout_engines)
+    for engine in sources:
+        if engine not in rollouts:
+            rollouts.append(engine)
+    try:
+        settings = ObserveSettings(
+            model=model, suite=suite, split=split, rollout_engines=rollouts, trainer_engines=_csv(trainer_engines),
+            n=n, lengths=[int(x) for x in _csv(lengths)], length_n=length_n, max_steps=max_steps,
+            max_tokens=max_tokens, temperature=temperature, seed=seed, device=device, concurrency=concurrency,
+            fsdp_world_size=fsdp_world_size, from_rollouts=sources)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    known = {"fp32", "bf16", "fp16", "fp8"}
+    bad = [e for e in settings.rollout_engines if e not in known and e not in sources]
+    bad += [e for e in settings.trainer_engines if e.removeprefix("fsdp-") not in known]
+    if bad:
+        raise click.BadParameter(f"unknown engine(s) {bad}; precisions are {sorted(known)}, trainers may be fsdp-<p>")
+    run_dir = new_run_dir(runs_dir)
+    console.print(f"[bold]observe[/] {model}: rollout {settings.rollout_engines} × trainer "
+                  f"{settings.trainer_engines}, n={n}, lengths {settings.lengths} → {run_dir}", highlight=False)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bars:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bars.add_task(stage, total=total)
+            bars.update(tasks[stage], completed=done, total=total)
+
+        matrix = run_observatory(settings, run_dir, progress)
+    print_matrix(matrix)
+    diverged = [d for d in matrix.divergence if d.first_divergent_step is not None]
+    if matrix.divergence:
+        console.print(f"agent divergence vs {settings.rollout_engines[0]}: {len(diverged)} of "
+                      f"{len(matrix.divergence)} runs split", highlight=False)
+    console.print(f"wrote {run_dir}/matrix.json and the reports. See it: rollmarket dashboard --runs {runs_dir}",
+                  highlight=False)

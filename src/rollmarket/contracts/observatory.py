@@ -1,0 +1,168 @@
+"""What the observatory writes: per-trajectory mismatch reports, agent divergence, and the matrix.
+
+Formulas are in DESIGN.md and docs/observatory.md; `rollmarket.observatory` computes them.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field
+
+from .base import Record
+
+
+class WorstToken(Record):
+    """The response token with the largest |Δlogp| in a trajectory, with its surroundings."""
+
+    position: int = Field(ge=0, description="Offset in the stitched response.")
+    token_id: int
+    token_text: str
+    delta: float = Field(description="logπ_trainer − logπ_rollout at this token.")
+    rollout_logprob: float
+    trainer_logprob: float
+    context_before: str = Field(default="", description="Decoded text of up to 24 tokens before it.")
+    context_after: str = Field(default="", description="Decoded text of up to 8 tokens after it.")
+    turn: int | None = Field(default=None, description="The agent turn the token belongs to.")
+
+
+class DenseMismatchReport(Record):
+    """Token-probability mismatch of one trajectory between a rollout and a trainer engine.
+
+    Δ_t = logπ_trainer(y_t) − logπ_rollout(y_t) over action tokens (tool output excluded).
+    """
+
+    trajectory_id: str = Field(description="'<task_id>#<sample_index>': the same id on every engine pair.")
+    rollout_engine: str
+    trainer_engine: str
+    n_tokens: int = Field(ge=0, description="Action tokens compared.")
+    token_ess: float | None = Field(description="(Σw)² / (n·Σw²), w = exp(clip(Δ, ±20)).")
+    sequence_log_ratio: float = Field(description="ΣΔ over the trajectory (the sequence-level log weight).")
+    mean_delta: float | None
+    mean_abs_delta: float | None
+    max_abs_delta: float | None
+    clipped_fraction: float | None = Field(description="Share of tokens with |Δ| > 20.")
+    veto_fraction: float | None = Field(description="Share of tokens with |Δ| > 30.")
+    second_moment: float | None = Field(description="mean(w²).")
+    top1pct_gradient_mass: float | None = Field(description="Share of Σw held by the largest 1% of weights.")
+    kl_k1: float | None = Field(description="mean(logπ_rollout − logπ_trainer).")
+    kl_k3: float | None = Field(description="mean(r − log r − 1), r = exp(Δ).")
+    chi2: float | None = Field(description="mean(r²) − 1.")
+    log_ppl_rollout: float | None
+    log_ppl_trainer: float | None
+    log_ppl_diff: float | None = Field(description="log_ppl_trainer − log_ppl_rollout.")
+    mean_prob_diff: float | None = Field(description="mean |p_rollout − p_trainer|.")
+    response_length: int = Field(ge=0, description="All response tokens, tool output included.")
+    worst_token: WorstToken | None = None
+
+
+class RouterMismatchReport(Record):
+    """MoE routing mismatch of one trajectory: the experts each engine picked for the same tokens."""
+
+    trajectory_id: str
+    rollout_engine: str
+    trainer_engine: str
+    n_tokens: int = Field(ge=0)
+    num_layers: int = Field(ge=0, description="MoE layers compared.")
+    top_k: int = Field(ge=0)
+    router_flip_rate: float | None = Field(description="Share of (token, layer) whose top-1 expert differs.")
+    token_expert_disagreement_rate: float | None = Field(
+        description="Share of tokens whose top-k expert set differs at any layer.")
+    per_layer_flip_rate: list[float] = Field(default_factory=list)
+    worst_layer: int | None = None
+    worst_layer_flip_rate: float | None = None
+    topk_overlap: float | None = Field(description="mean |A∩B| / k over (token, layer).")
+
+
+class DivergenceKind(str, Enum):
+    none = "none"
+    tool_choice = "tool_choice"
+    tool_args = "tool_args"
+    content = "content"
+    termination = "termination"
+
+
+class DeltaToken(Record):
+    """One token of the split turn with its Δ, for 'what happened just before the paths split'."""
+
+    position: int
+    token_text: str
+    delta: float
+    rollout_logprob: float
+    trainer_logprob: float
+
+
+class AgentDivergenceReport(Record):
+    """Two runs of the same task with the same seeds on two rollout engines, compared."""
+
+    task_id: str
+    sample_index: int = 0
+    engine_a: str
+    engine_b: str
+    first_divergent_step: int | None = Field(description="First turn where the runs differ; None if they never do.")
+    kind: DivergenceKind
+    tool_choice_disagreement_rate: float = Field(description="Share of aligned turns whose tool names differ.")
+    tool_call_jaccard: float = Field(description="Jaccard of the (tool name, argument hash) sets of the runs.")
+    final_answer_match_strict: bool
+    final_answer_match_soft: bool = Field(description="Equal after normalization, or numerically equal.")
+    steps_a: int
+    steps_b: int
+    split_turn: DenseMismatchReport | None = Field(
+        default=None, description="Engine B's logprobs vs engine A's on A's tokens of the turn where they split.")
+    top_delta_tokens: list[DeltaToken] = Field(
+        default_factory=list, description="The largest-|Δ| tokens of the split turn up to the split point.")
+
+
+class Interval(Record):
+    """A mean with its bootstrap 95% interval over n trajectories."""
+
+    mean: float | None
+    lo: float | None
+    hi: float | None
+    n: int = Field(ge=0)
+
+
+class MatrixCell(Record):
+    """One (rollout engine, trainer engine) tile."""
+
+    rollout_engine: str
+    trainer_engine: str
+    n: int = Field(ge=0, description="Trajectories in the cell.")
+    tokens: int = Field(ge=0, description="Action tokens over all of them.")
+    token_ess: Interval
+    sequence_ess: float | None = Field(description="Sequence ESS over the cell's trajectories (one number).")
+    mean_abs_delta: Interval
+    max_abs_delta: float | None
+    kl_k3: Interval
+    mean_prob_diff: Interval
+    router_flip_rate: Interval | None = None
+    token_expert_disagreement_rate: Interval | None = None
+    worst_layer: int | None = None
+    worst_layer_flip_rate: float | None = None
+    worst_token: WorstToken | None = None
+    worst_trajectory_id: str | None = None
+    low_n: bool = Field(description="True when n < 30: the tile says so.")
+
+
+class LengthPoint(Record):
+    """ESS and |Δ| of one cell over trajectories whose response length falls in one bucket."""
+
+    rollout_engine: str
+    trainer_engine: str
+    max_tokens: int = Field(description="The length target (a --lengths value) the trajectories were sampled with.")
+    mean_response_tokens: float
+    token_ess: Interval
+    mean_abs_delta: Interval
+
+
+class ObservatoryMatrix(Record):
+    """matrix.json of an observatory run."""
+
+    model: str
+    suite: str | None = None
+    rollout_engines: list[str]
+    trainer_engines: list[str]
+    cells: list[MatrixCell]
+    length_scaling: list[LengthPoint] = Field(default_factory=list)
+    divergence: list[AgentDivergenceReport] = Field(default_factory=list)
+    created_at: str

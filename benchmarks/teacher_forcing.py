@@ -1,23 +1,38 @@
 """Teacher forcing: the trainer engine (chunked lm-head) against the naive full-logits path.
 
-For one batch of (prompt, response) pairs, two ways to get every response token's logprob:
+For one batch of (prompt, response) pairs, every response token's logprob and its distribution's
+entropy, four ways:
 
-    engine   TrainerEngine.score_batch: model body once, then lm-head + log-softmax over 1024
-             positions at a time (also returns entropies and routed experts)
-    naive    model(ids).logits.float().log_softmax(-1), then gather the targets: the whole
-             [tokens x vocab] float32 matrix, and its log-softmax, exist at once
+    engine          TrainerEngine.score_batch: model body once, then lm-head + softmax statistics
+                    over chunks of positions (4,096 on CUDA, through the fused Triton kernel of
+                    engines/fused.py; 1,024 on the CPU); also returns routed experts
+    engine-compiled the engine with compile_layers=True: each decoder layer torch.compile'd in
+                    place (the compile happens in the warm-up call; its time is first_call_s)
+    engine-torch    the engine with the fused kernel off (the torch chunk math, 1,024 positions a
+                    chunk): what runs where Triton is missing
+    naive           model(ids).logits.float().log_softmax(-1), gather the targets, and the entropy
+                    −Σ p·log p: the whole [tokens x vocab] float32 matrix and its log-softmax exist
+                    at once, and the entropy makes two more of the response's size
+    naive-logprobs  the naive path without the entropy (what the engine was first compared with)
 
 Each (shape, method) runs in its own child process so peak memory is its own: on CUDA,
 torch.cuda.max_memory_allocated above what the weights and inputs hold; on the CPU, the kernel's
 peak resident set (VmHWM, reset through /proc/self/clear_refs) above the resident set before the
 call (tracemalloc does not see torch's allocations). Time is the best of --repeats runs after a
-warm-up (the median is in the JSON too). The two methods' logprobs are compared (max |Δ|) as a check that both compute the same
-thing. Shapes with a path use those weights; the others are random-weight Qwen3 models of that
-shape, built in the child (only torch, transformers and rollmarket are needed).
+warm-up (the median is in the JSON too). The logprobs and entropies of the first and last
+sequences are compared with the naive path's (max |Δ|). Shapes with a path use those weights; the
+others are random-weight Qwen3 models of that shape, built in the child (only torch, transformers
+and rollmarket are needed).
+
+--sweep times the lm-head + statistics alone on one shape's hidden states (torch and fused paths
+at several chunk sizes, the kernel's block and warp counts, a torch.compile'd chunk function, the
+naive head) and the model body, eager and compiled (--compile-body): the numbers behind the
+engine's chunk size and the breakdown of where the time goes.
 
     python benchmarks/teacher_forcing.py                       # CPU: tiny models + a big-vocab shape
-    python benchmarks/teacher_forcing.py --device cuda         # Qwen3-0.6B and 1.7B shapes, bf16, 16k tokens
+    python benchmarks/teacher_forcing.py --device cuda         # Qwen3-0.6B, 1.7B, 4B shapes, bf16, 16k tokens
     python benchmarks/teacher_forcing.py --device cuda --shapes qwen3-1.7b --tokens 32768
+    python benchmarks/teacher_forcing.py --device cuda --sweep --compile-body qwen3-0.6b,qwen3-4b
 """
 
 from __future__ import annotations
@@ -61,8 +76,8 @@ SHAPES: dict[str, dict] = {
 }
 DEFAULT_SHAPES = {"cpu": "tiny-dense,tiny-moe,bigvocab", "cuda": "qwen3-0.6b,qwen3-1.7b,qwen3-4b"}
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
-METHODS = ("engine", "naive")
-SAMPLE = 512  # logprobs each child returns for the cross-check
+METHODS = ("engine", "engine-compiled", "engine-torch", "naive", "naive-logprobs")
+BASELINE = "naive"
 
 
 # ----------------------------------------------------------------------------- child side
@@ -125,11 +140,12 @@ def _memory_reader(device: str):
     return start_cpu, lambda: status("VmHWM")
 
 
-def child(name: str, method: str, precision: str, device: str, tokens: int, repeats: int) -> dict:
+def child(name: str, method: str, precision: str, device: str, tokens: int, repeats: int,
+          chunk: int) -> dict:
     import numpy as np
     import torch
 
-    from rollmarket.engines import TrainerEngine
+    from rollmarket.engines import TrainerEngine, fused
 
     shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
     if device == "cpu":
@@ -141,29 +157,50 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
     ids_BS = rng.integers(3, vocab, size=(B, S))
     pairs = [(row[:P], row[P:]) for row in ids_BS]
     ids_dev_BS = torch.from_numpy(ids_BS).to(device)
-    engine = TrainerEngine(loaded)
+    if method == "engine-torch":
+        fused.available = lambda: False  # what an install without Triton runs
+        chunk = chunk or 1024
+    engine = TrainerEngine(loaded, chunk=chunk or None, compile_layers=method == "engine-compiled")
+
+    def first_and_last(rows_BT) -> np.ndarray:
+        return np.concatenate([np.asarray(rows_BT[0]), np.asarray(rows_BT[-1])])
 
     @torch.no_grad()
-    def run_engine() -> np.ndarray:
-        return engine.score_batch(pairs)[0].logprobs_T
+    def run_engine() -> tuple[np.ndarray, np.ndarray | None]:
+        scored = engine.score_batch(pairs)
+        return (first_and_last([tf.logprobs_T for tf in scored]),
+                first_and_last([tf.entropies_T for tf in scored]))
 
     @torch.no_grad()
-    def run_naive() -> np.ndarray:
+    def run_naive() -> tuple[np.ndarray, np.ndarray | None]:
+        logp_BTV = model(input_ids=ids_dev_BS).logits.float().log_softmax(-1)[:, P - 1:-1]
+        logprobs_BT = logp_BTV.gather(-1, ids_dev_BS[:, P:, None]).squeeze(-1)
+        entropies_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
+        return first_and_last(logprobs_BT.cpu()), first_and_last(entropies_BT.cpu())
+
+    @torch.no_grad()
+    def run_naive_logprobs() -> tuple[np.ndarray, np.ndarray | None]:
         logp_BSV = model(input_ids=ids_dev_BS).logits.float().log_softmax(-1)
-        targets_BT = ids_dev_BS[:, P:]
-        logprobs_BT = logp_BSV[:, P - 1:-1].gather(-1, targets_BT[..., None]).squeeze(-1)
-        return logprobs_BT[0].cpu().numpy()
+        logprobs_BT = logp_BSV[:, P - 1:-1].gather(-1, ids_dev_BS[:, P:, None]).squeeze(-1)
+        return first_and_last(logprobs_BT.cpu()), None
 
     def sync() -> None:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    run = run_engine if method == "engine" else run_naive
+    run = {"engine": run_engine, "engine-compiled": run_engine, "engine-torch": run_engine,
+           "naive": run_naive, "naive-logprobs": run_naive_logprobs}[method]
     start_mem, peak_mem = _memory_reader(device)
     result = dict(shape=name, method=method, device=device, precision=precision, batch=B, seq=S,
                   prompt=P, tokens=B * S, scored_tokens=B * (S - P), vocab=vocab)
+    if method.startswith("engine"):
+        result.update(chunk=engine.chunk, fused_kernel=fused.available() and device.startswith("cuda"))
     try:
-        sample = run()[:SAMPLE]
+        sync()
+        started = time.perf_counter()
+        logprobs, entropies = run()
+        sync()
+        result["first_call_s"] = time.perf_counter() - started
         base = start_mem()
         run()
         peak = peak_mem()
@@ -180,7 +217,238 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
     seconds = min(times)
     return dict(result, seconds=seconds, seconds_median=statistics.median(times),
                 tokens_per_s=B * S / seconds, peak_extra_bytes=peak - base,
-                peak_total_bytes=peak, logprobs_sample=[float(x) for x in sample])
+                peak_total_bytes=peak, logprobs_sample=[float(x) for x in logprobs],
+                entropies_sample=None if entropies is None else [float(x) for x in entropies])
+
+
+# ----------------------------------------------------------------------------- sweep (CUDA)
+
+
+def sweep_head(name: str, precision: str, tokens: int) -> dict:
+    """Where the time goes on one shape: the body, and each way of doing lm-head + statistics."""
+    import numpy as np
+    import torch
+    from triton.testing import do_bench
+
+    from rollmarket.engines import chunked_token_stats, fused
+
+    device = "cuda"
+    shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
+    loaded = _build(shape, precision, device)
+    model, vocab = loaded.model, loaded.info.vocab_size
+    B, S, P = shape["tokens"] // shape["seq"], shape["seq"], shape["prompt"]
+    ids_BS = torch.from_numpy(np.random.default_rng(0).integers(3, vocab, size=(B, S))).to(device)
+    body, head = model.get_decoder(), model.lm_head
+    out: dict = dict(shape=name, precision=precision, batch=B, seq=S, prompt=P, vocab=vocab,
+                     variants=[])
+
+    def bench(fn, rep: int = 300) -> float:
+        return float(do_bench(fn, warmup=50, rep=rep, return_mode="median"))
+
+    def peak_extra(fn) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    with torch.no_grad():
+        # The body as model(ids) runs it (with its default KV cache), and with an all-ones mask.
+        out["body_ms"] = bench(lambda: body(input_ids=ids_BS).last_hidden_state, rep=1500)
+        mask_BS = torch.ones_like(ids_BS)
+        out["body_with_mask_ms"] = bench(
+            lambda: body(input_ids=ids_BS, attention_mask=mask_BS).last_hidden_state, rep=1500)
+        hidden_NH = body(input_ids=ids_BS).last_hidden_state[:, P - 1:-1].reshape(-1, head.in_features)
+        hidden_NH = hidden_NH.contiguous()
+        targets_N = ids_BS[:, P:].reshape(-1).contiguous()
+        N = hidden_NH.shape[0]
+        # Reference: float64 statistics of the model-precision logits of the first 512 rows, so
+        # the check measures the statistics, not the lm-head's own rounding.
+        ref_logp = head(hidden_NH[:512]).double().log_softmax(-1)
+        ref_lp = ref_logp.gather(-1, targets_N[:512, None]).squeeze(-1)
+        ref_ent = -(ref_logp.exp() * ref_logp).sum(-1)
+        del ref_logp
+        out["reference_entropy_mean"] = float(ref_ent.mean())
+
+        def record(label: str, fn, **extra) -> None:
+            fn()  # compile / warm
+            lp, ent = fn()
+            row = dict(label=label, ms=bench(fn), peak_extra_bytes=peak_extra(fn), **extra)
+            if lp is not None:
+                row["max_abs_lp"] = float((lp[:512].double() - ref_lp).abs().max())
+                row["max_abs_ent"] = float((ent[:512].double() - ref_ent).abs().max())
+            out["variants"].append(row)
+            print(json.dumps(row), file=sys.stderr)
+
+        def matmul_only(chunk: int):
+            for start in range(0, N, chunk):
+                head(hidden_NH[start:start + chunk])
+            return None, None
+
+        record("lm-head matmul only, chunk 4096", lambda: matmul_only(4096), chunk=4096)
+        for chunk in (1024, 4096):
+            record(f"torch chunk math, chunk {chunk}", lambda c=chunk: chunked_token_stats(
+                hidden_NH, head, targets_N, chunk=c, fused=False), chunk=chunk)
+        for chunk in (1024, 2048, 4096, 8192, N):
+            record(f"fused kernel, chunk {chunk}", lambda c=chunk: chunked_token_stats(
+                hidden_NH, head, targets_N, chunk=c), chunk=chunk)
+
+        logits_CV = head(hidden_NH[:4096])
+        for block in (2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                record(f"kernel alone on 4096 rows, BLOCK {block}, {warps} warps",
+                       lambda b=block, w=warps, x=logits_CV: fused.token_stats(
+                           x, targets_N[:4096], block=b, num_warps=w),
+                       block=block, num_warps=warps)
+        del logits_CV
+
+        def chunk_math(logits_CV, targets_C):
+            z_CV = logits_CV.float()
+            m_C1 = z_CV.amax(-1, keepdim=True)
+            shifted_CV = z_CV - m_C1
+            e_CV = shifted_CV.exp()
+            s_C = e_CV.sum(-1)
+            log_s_C = s_C.log()
+            lp_C = shifted_CV.gather(-1, targets_C[:, None]).squeeze(-1) - log_s_C
+            return lp_C, log_s_C - (e_CV * shifted_CV).sum(-1) / s_C
+
+        compiled = torch.compile(chunk_math, dynamic=False)
+
+        def compiled_stats(chunk: int = 4096):
+            lps, ents = [], []
+            for start in range(0, N, chunk):
+                stop = min(start + chunk, N)
+                if stop - start < chunk:  # one shape only: pad the last chunk
+                    rows = torch.zeros(chunk, hidden_NH.shape[1], dtype=hidden_NH.dtype, device=device)
+                    rows[:stop - start] = hidden_NH[start:stop]
+                    tg = torch.zeros(chunk, dtype=targets_N.dtype, device=device)
+                    tg[:stop - start] = targets_N[start:stop]
+                    lp, ent = compiled(head(rows), tg)
+                    lp, ent = lp[:stop - start], ent[:stop - start]
+                else:
+                    lp, ent = compiled(head(hidden_NH[start:stop]), targets_N[start:stop])
+                lps.append(lp)
+                ents.append(ent)
+            return torch.cat(lps), torch.cat(ents)
+
+        started = time.perf_counter()
+        compiled_stats()
+        torch.cuda.synchronize()
+        record("torch.compile chunk math, chunk 4096", compiled_stats, chunk=4096,
+               compile_s=time.perf_counter() - started)
+
+        def naive_head():
+            logp_NV = head(hidden_NH).float().log_softmax(-1)
+            lp = logp_NV.gather(-1, targets_N[:, None]).squeeze(-1)
+            return lp, -(logp_NV.exp() * logp_NV).sum(-1)
+
+        record("naive head (float32 log_softmax + entropy)", naive_head)
+    return out
+
+
+def sweep_compile_body(name: str, precision: str, tokens: int, mode: str) -> dict:
+    """Compile time and steady time of the model body (no KV cache, as the engine runs it), eager
+    and compiled: ``whole`` (torch.compile of the body module) or ``regional`` (each decoder layer
+    compiled in place; one graph serves them all)."""
+    import numpy as np
+    import torch
+    from triton.testing import do_bench
+
+    shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
+    loaded = _build(shape, precision, "cuda")
+    B, S = shape["tokens"] // shape["seq"], shape["seq"]
+    rng = np.random.default_rng(0)
+    body = loaded.model.get_decoder()
+    ids = torch.from_numpy(rng.integers(3, loaded.info.vocab_size, size=(B, S))).cuda()
+    with torch.no_grad():
+        eager_ms = float(do_bench(lambda: body(input_ids=ids, use_cache=False).last_hidden_state,
+                                  warmup=100, rep=1500, return_mode="median"))
+    if mode == "whole":
+        fn = torch.compile(body)
+    else:
+        for layer in body.layers:
+            layer.compile()
+        fn = body
+    out = dict(shape=name, mode=mode, batch=B, seq=S, eager_body_ms=eager_ms)
+    with torch.no_grad():
+        for label, seq in (("first", S), ("second_shape", S - 256), ("third_shape", S - 512)):
+            ids = torch.from_numpy(rng.integers(3, loaded.info.vocab_size, size=(B, seq))).cuda()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn(input_ids=ids, use_cache=False)
+            torch.cuda.synchronize()
+            out[f"{label}_call_s"] = time.perf_counter() - started
+        ids = torch.from_numpy(rng.integers(3, loaded.info.vocab_size, size=(B, S))).cuda()
+        out["body_ms"] = float(do_bench(lambda: fn(input_ids=ids, use_cache=False).last_hidden_state,
+                                        warmup=100, rep=1500, return_mode="median"))
+    print(json.dumps(out), file=sys.stderr)
+    return out
+
+
+def compile_accuracy(name: str, tokens: int) -> dict:
+    """How far bf16 logprobs move from float32 ones, eager and with compiled layers.
+
+    A compiled body rounds differently from the eager one (fused kernels keep intermediates in
+    float32 unless ``emulate_precision_casts`` is set), so its logprobs differ from the naive
+    path's by more than the lm-head statistics do. The fair question is whether they are further
+    from the float32 model's: this child answers it on the same random weights (float32 weights,
+    and their bf16 rounding as ``_build`` makes them).
+    """
+    import numpy as np
+    import torch
+
+    from rollmarket.engines import TrainerEngine
+
+    shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
+    B, S, P = shape["tokens"] // shape["seq"], shape["seq"], shape["prompt"]
+    vocab = shape["config"]["vocab_size"]
+    ids_BS = np.random.default_rng(0).integers(3, vocab, size=(B, S))
+    pairs = [(row[:P], row[P:]) for row in ids_BS]
+
+    def score(engine) -> tuple[np.ndarray, np.ndarray, float]:
+        engine.score_batch(pairs)  # warm-up (and compile)
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            scored = engine.score_batch(pairs)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return (np.concatenate([tf.logprobs_T for tf in scored]),
+                np.concatenate([tf.entropies_T for tf in scored]), min(times))
+
+    reference = _build(shape, "fp32", "cuda")
+    ref_lp, ref_ent, ref_s = score(TrainerEngine(reference))
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    out: dict = dict(shape=name, batch=B, seq=S, prompt=P, fp32_seconds=ref_s, variants=[])
+    eager_lp = None
+    for label, options in (("eager", None), ("compiled layers", {}),
+                           ("compiled layers, emulate_precision_casts",
+                            {"emulate_precision_casts": True})):
+        loaded = _build(shape, "bf16", "cuda")
+        if options is not None:
+            torch._dynamo.reset()  # no graph of the previous variant (other options) is reused
+            for layer in loaded.model.get_decoder().layers:
+                layer.compile(options=options)
+        lp, ent, seconds = score(TrainerEngine(loaded))
+        if eager_lp is None:
+            eager_lp = lp
+        row = dict(label=label, seconds=seconds, tokens_per_s=B * S / seconds,
+                   mean_abs_lp_vs_fp32=float(np.abs(lp - ref_lp).mean()),
+                   max_abs_lp_vs_fp32=float(np.abs(lp - ref_lp).max()),
+                   max_abs_ent_vs_fp32=float(np.abs(ent - ref_ent).max()),
+                   mean_abs_lp_vs_eager=float(np.abs(lp - eager_lp).mean()),
+                   max_abs_lp_vs_eager=float(np.abs(lp - eager_lp).max()))
+        out["variants"].append(row)
+        print(json.dumps(row), file=sys.stderr)
+        del loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -188,7 +456,8 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
 
 def _run_child(name: str, method: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", name, method, "--precision", args.precision,
-           "--device", args.device, "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
+           "--device", args.device, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
+           "--chunk", str(args.chunk)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -200,6 +469,102 @@ def _gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+def _max_abs(a, b) -> float | None:
+    if a is None or b is None:
+        return None
+    import numpy as np
+
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+def _compare(rows: dict[str, dict]) -> None:
+    """Ratios and differences of every method against the two naive ones, in place."""
+    for row in rows.values():
+        if "error" in row:
+            continue
+        for ref_name, suffix in ((BASELINE, "naive"), ("naive-logprobs", "naive_logprobs")):
+            ref = rows.get(ref_name)
+            if ref is None or "error" in ref or ref is row:
+                continue
+            row[f"speedup_vs_{suffix}"] = row["tokens_per_s"] / ref["tokens_per_s"]
+            row[f"peak_extra_ratio_vs_{suffix}"] = row["peak_extra_bytes"] / ref["peak_extra_bytes"]
+        ref = rows.get(BASELINE)
+        if ref is not None and "error" not in ref and ref is not row:
+            row["max_abs_logprob_diff_vs_naive"] = _max_abs(row["logprobs_sample"], ref["logprobs_sample"])
+            row["max_abs_entropy_diff_vs_naive"] = _max_abs(row.get("entropies_sample"),
+                                                            ref.get("entropies_sample"))
+
+
+def _meta(args, kind: str) -> dict:
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "command": " ".join(sys.argv), "device": args.device, "precision": args.precision}
+    import torch
+
+    if kind == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(0)
+    meta["torch"] = torch.__version__
+    meta["transformers"] = __import__("transformers").__version__
+    try:
+        meta["triton"] = __import__("triton").__version__
+    except ImportError:
+        meta["triton"] = None
+    return meta
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}x"
+
+
+def _e(value: float | None) -> str:
+    return "" if value is None else f"{value:.1e}"
+
+
+def _sweep(args, names: list[str], console) -> dict:
+    from rich.table import Table
+
+    results = []
+    for name in names:
+        console.log(f"sweep {name}")
+        results.append(_run_child(name, "sweep", args))
+        if name in args.compile_body.split(","):
+            # compile-whole also exists: it ran past 75 s on the 0.6B shape, so it is not in the sweep.
+            for mode in ("compile-regional", "accuracy"):
+                console.log(f"sweep {name}: {mode}")
+                results.append(_run_child(name, mode, args))
+    for res in results:
+        if "error" in res:
+            console.print(f"[red]{res.get('shape')} {res.get('method')}: {res['error'][-1500:]}")
+            continue
+        if "fp32_seconds" in res:
+            table = Table(title=f"{res['shape']}: bf16 logprobs against the float32 model's "
+                                f"(same weights), {res['batch']}×{res['seq']}")
+            for col in ("variant", "tokens/s", "mean |Δ| vs fp32", "max |Δ| vs fp32",
+                        "mean |Δ| vs eager", "max |Δ| vs eager"):
+                table.add_column(col, justify="left" if col == "variant" else "right")
+            for v in res["variants"]:
+                table.add_row(v["label"], f"{v['tokens_per_s']:,.0f}", _e(v["mean_abs_lp_vs_fp32"]),
+                              _e(v["max_abs_lp_vs_fp32"]), _e(v["mean_abs_lp_vs_eager"]),
+                              _e(v["max_abs_lp_vs_eager"]))
+            console.print(table)
+        elif "variants" in res:
+            table = Table(title=f"{res['shape']}: body {res['body_ms']:.1f} ms "
+                                f"({res['body_with_mask_ms']:.1f} with a mask); lm-head + statistics "
+                                f"over {res['batch'] * (res['seq'] - res['prompt']):,} positions")
+            for col in ("variant", "ms", "peak extra GiB", "max |Δ| logprob", "max |Δ| entropy"):
+                table.add_column(col, justify="left" if col == "variant" else "right")
+            for v in res["variants"]:
+                table.add_row(v["label"], f"{v['ms']:.2f}", _gb(v["peak_extra_bytes"]),
+                              _e(v.get("max_abs_lp")), _e(v.get("max_abs_ent")))
+            console.print(table)
+        else:
+            console.print(f"{res['shape']} body eager {res['eager_body_ms']:.1f} ms, compiled "
+                          f"({res['mode']}) {res['body_ms']:.1f} ms; "
+                          f"first call {res['first_call_s']:.1f} s, new shapes "
+                          f"{res['second_shape_call_s']:.1f} s, {res['third_shape_call_s']:.1f} s")
+    return {"results": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -207,77 +572,95 @@ def main() -> None:
     parser.add_argument("--shapes", default=None,
                         help=f"Comma-separated, from {', '.join(SHAPES)}. Default: "
                              f"{DEFAULT_SHAPES['cpu']} on cpu, {DEFAULT_SHAPES['cuda']} on cuda.")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"Comma-separated, from {', '.join(METHODS)}.")
     parser.add_argument("--precision", default=None,
                         help="fp32, bf16, fp16 or fp8. Default: fp32 on cpu, bf16 on cuda.")
     parser.add_argument("--tokens", type=int, default=0,
                         help="Tokens per batch (prompt + response, all sequences); 0 = the shape's.")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="Positions per lm-head call for 'engine'; 0 = the engine's default.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed runs per case (best of).")
+    parser.add_argument("--sweep", action="store_true",
+                        help="CUDA: time the lm-head + statistics variants and the body instead.")
+    parser.add_argument("--compile-body", default="", metavar="SHAPES",
+                        help="With --sweep: also time these shapes' body with compiled layers, and "
+                             "measure compiled and eager bf16 logprobs against float32 ones.")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON output. Default: benchmarks/results/teacher_forcing-<device>.json.")
+                        help="JSON output. Default: benchmarks/results/teacher_forcing-<device>.json "
+                             "(teacher_forcing-sweep-cuda.json with --sweep).")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     args.precision = args.precision or DEFAULT_PRECISION[kind]
 
     if args.child:
-        print(json.dumps(child(*args.child, args.precision, args.device, args.tokens, args.repeats)))
+        name, method = args.child
+        if method == "sweep":
+            res = sweep_head(name, args.precision, args.tokens)
+        elif method == "accuracy":
+            res = compile_accuracy(name, args.tokens)
+        elif method.startswith("compile-"):
+            res = sweep_compile_body(name, args.precision, args.tokens, method.split("-", 1)[1])
+        else:
+            res = child(name, method, args.precision, args.device, args.tokens, args.repeats, args.chunk)
+        print(json.dumps(res))
         return
 
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 140))
+    console = Console(width=max(Console().width, 160))
     names = (args.shapes or DEFAULT_SHAPES[kind]).split(",")
     unknown = [n for n in names if n not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; choose from {', '.join(SHAPES)}")
+    if args.sweep:
+        if kind != "cuda":
+            parser.error("--sweep needs --device cuda")
+        report = _sweep(args, names, console)
+        out = args.out or ROOT / "benchmarks" / "results" / "teacher_forcing-sweep-cuda.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"meta": _meta(args, kind), **report}, indent=2) + "\n")
+        console.print(f"wrote {out}")
+        return
+
+    methods = args.methods.split(",")
+    if any(m not in METHODS for m in methods):
+        parser.error(f"unknown method in {methods}; choose from {', '.join(METHODS)}")
     results = []
     for name in names:
         rows = {}
-        for method in METHODS:
+        for method in methods:
             console.log(f"{name} / {method} on {args.device} at {args.precision}")
             rows[method] = _run_child(name, method, args)
-        engine, naive = rows["engine"], rows["naive"]
-        if "error" not in engine and "error" not in naive:
-            import numpy as np
-
-            engine["max_abs_diff_vs_naive"] = float(np.max(np.abs(
-                np.asarray(engine["logprobs_sample"]) - np.asarray(naive["logprobs_sample"]))))
-            engine["speedup_vs_naive"] = engine["tokens_per_s"] / naive["tokens_per_s"]
-            engine["peak_extra_ratio_vs_naive"] = engine["peak_extra_bytes"] / naive["peak_extra_bytes"]
+        _compare(rows)
         for row in rows.values():
             row.pop("logprobs_sample", None)
+            row.pop("entropies_sample", None)
             results.append(row)
 
     table = Table(title=f"Teacher forcing on {args.device} at {args.precision}")
-    for col in ("shape", "method", "batch×seq", "vocab", "tokens/s", "peak extra GiB",
-                "peak total GiB", "engine/naive speed", "engine/naive peak", "max |Δ|"):
+    for col in ("shape", "method", "chunk", "batch×seq", "tokens/s", "peak extra GiB",
+                "speed vs naive", "speed vs naive-lp", "peak vs naive", "peak vs naive-lp",
+                "max |Δ| logprob", "max |Δ| entropy"):
         table.add_column(col, justify="left" if col in ("shape", "method") else "right")
     for row in results:
         if "error" in row:
             table.add_row(row["shape"], row["method"], "", "", "error: " + row["error"][-60:])
             continue
-        engine = row["method"] == "engine"
         table.add_row(
-            row["shape"], row["method"], f"{row['batch']}×{row['seq']}", str(row["vocab"]),
-            f"{row['tokens_per_s']:,.0f}", _gb(row["peak_extra_bytes"]), _gb(row["peak_total_bytes"]),
-            f"{row['speedup_vs_naive']:.2f}x" if engine and "speedup_vs_naive" in row else "",
-            f"{row['peak_extra_ratio_vs_naive']:.3f}x" if engine and "peak_extra_ratio_vs_naive" in row else "",
-            f"{row['max_abs_diff_vs_naive']:.1e}" if engine and "max_abs_diff_vs_naive" in row else "")
+            row["shape"], row["method"], str(row.get("chunk", "")), f"{row['batch']}×{row['seq']}",
+            f"{row['tokens_per_s']:,.0f}", _gb(row["peak_extra_bytes"]),
+            _x(row.get("speedup_vs_naive")), _x(row.get("speedup_vs_naive_logprobs")),
+            _x(row.get("peak_extra_ratio_vs_naive"), 3),
+            _x(row.get("peak_extra_ratio_vs_naive_logprobs"), 3),
+            _e(row.get("max_abs_logprob_diff_vs_naive")), _e(row.get("max_abs_entropy_diff_vs_naive")))
     console.print(table)
 
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "command": " ".join(sys.argv), "device": args.device, "precision": args.precision}
-    if kind == "cuda":
-        import torch
-
-        meta["gpu"] = torch.cuda.get_device_name(0)
-    meta["torch"] = __import__("torch").__version__
-    meta["transformers"] = __import__("transformers").__version__
     out = args.out or ROOT / "benchmarks" / "results" / f"teacher_forcing-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    out.write_text(json.dumps({"meta": _meta(args, kind), "results": results}, indent=2) + "\n")
     console.print(f"wrote {out}")
 
 

@@ -16,6 +16,11 @@ from .loading import LoadedModel, load_model
 from .precision import Precision
 from .routing import RouterCapture
 
+CPU_CHUNK = 1024
+CUDA_CHUNK = 4096
+"""Positions per lm-head call on CUDA: a 4,096 × 151,936 bf16 chunk is 1.2 GiB (H100 sweep in
+docs/benchmarks.md)."""
+
 
 @dataclass(frozen=True)
 class TeacherForced:
@@ -31,7 +36,7 @@ class TeacherForced:
 
 
 def chunked_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_N: torch.Tensor,
-                        *, temperature: float = 1.0, chunk: int = 1024
+                        *, temperature: float = 1.0, chunk: int = 1024, fused: bool | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target and the distribution's entropy, ``chunk`` positions at a time.
 
@@ -40,7 +45,17 @@ def chunked_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targe
     maximum, e = exp(z) and s = Σe: logprob = z[target] − log s and entropy = log s − Σ e·z / s,
     so one exponential pass serves both and at most two ``[chunk, vocab]`` float32 buffers live
     at once (logsumexp plus softmax would take twice the passes and a third buffer).
+
+    On CUDA without autograd the same statistics come from one fused Triton pass over each chunk's
+    logits (``engines.fused``), which never builds the float32 buffers; this torch path stays for
+    the CPU, for gradients and where Triton is missing. ``fused=False`` forces it (benchmarks).
     """
+    if fused is not False and hidden_NH.is_cuda and not torch.is_grad_enabled():
+        from . import fused as kernels
+
+        if kernels.available():
+            return kernels.fused_chunked_token_stats(hidden_NH, lm_head, targets_N,
+                                                     temperature=temperature, chunk=chunk)
     logprobs, entropies = [], []
     for start in range(0, hidden_NH.shape[0], chunk):
         logits_CV = lm_head(hidden_NH[start:start + chunk])
@@ -69,16 +84,32 @@ class TrainerEngine:
     """Scores response tokens given their prompt, at the loaded model's precision.
 
     Sequences are right-padded into one batch per call; ``max_batch_tokens`` splits larger calls.
+    ``chunk`` is the positions per lm-head call; by default 1,024 on the CPU and 4,096 on CUDA,
+    where the fused kernel holds only the chunk's logits at model precision.
+
+    ``compile_layers=True`` compiles each decoder layer in place with ``torch.compile`` (regional
+    compilation: identical layers share one graph, so it takes seconds where compiling the whole
+    body ran past 75 s on an H100). It is opt-in: the compiled body rounds bf16 differently, so
+    its logprobs move by about as much as bf16's own error (docs/benchmarks.md). The model is
+    then meant for teacher forcing alone: a rollout engine decoding with it would recompile for
+    its cache. A new batch shape recompiles once, after which shapes are dynamic.
     """
 
     name = "rollmarket-teacher"
 
-    def __init__(self, loaded: LoadedModel, *, chunk: int = 1024, max_batch_tokens: int = 16384):
+    def __init__(self, loaded: LoadedModel, *, chunk: int | None = None,
+                 max_batch_tokens: int = 16384, compile_layers: bool = False):
         self.loaded = loaded
         self.info = loaded.info
-        self.chunk = chunk
+        self.chunk = chunk or (CUDA_CHUNK if torch.device(loaded.device).type == "cuda" else CPU_CHUNK)
         self.max_batch_tokens = max_batch_tokens
         self.body, self.head = _body_and_head(loaded.model)
+        if compile_layers:
+            layers = getattr(self.body, "layers", None)
+            if layers is None:
+                raise ValueError(f"{type(self.body).__name__} has no .layers to compile")
+            for layer in layers:
+                layer.compile()
 
     @classmethod
     def from_path(cls, path, precision: str | Precision = "fp32", device="cpu", **kw) -> "TrainerEngine":
@@ -129,10 +160,14 @@ class TrainerEngine:
         for b, (p, r) in enumerate(batch):
             ids_BS[b, : lengths[b]] = torch.from_numpy(np.concatenate([p, r]))
             mask_BS[b, : lengths[b]] = 1
-        ids_BS, mask_BS = ids_BS.to(device), mask_BS.to(device)
+        ids_BS = ids_BS.to(device)
+        # Without padding the mask is all ones, which the model would check and drop (a sync on
+        # the GPU); no KV cache is kept (it would hold K and V of every layer for nothing).
+        mask_BS = mask_BS.to(device) if min(lengths) < S else None
         capture = RouterCapture(self.loaded.model, self.loaded.info.top_k or 1)
         with capture:
-            hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS).last_hidden_state
+            hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS,
+                                   use_cache=False).last_hidden_state
         experts_BSLK = capture.take(B, S) if capture.active else None
         # Position i predicts token i+1: the response's scores sit at P-1 .. P+T-2.
         rows, targets = [], []

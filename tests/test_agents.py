@@ -243,3 +243,47 @@ def test_the_same_loop_runs_through_the_capture_proxy(served, tmp_path):
     for capture, s in zip(sorted(captures, key=lambda c: c.turn_index), run.steps):
         assert capture.prompt_token_ids.tolist() == s.prompt_token_ids.tolist()
         assert capture.choices[0].response_token_ids.tolist() == s.response_token_ids.tolist()
+
+
+def test_captured_conversations_become_runs_the_observatory_can_score(served, tmp_path):
+    """What the proxy recorded in front of any engine is enough to rebuild the run, ids and all,
+    and the observatory teacher-forces it (`rollmarket observe --from-captures ENGINE=STORE`)."""
+    import subprocess
+    import sys
+
+    from rollmarket.contracts import ObservatoryMatrix
+    from rollmarket.localhost import wait_healthy
+    from rollmarket.observatory.runner import ObserveSettings, run_observatory
+    from rollmarket.observatory.sources import runs_from_captures
+
+    port = free_port()
+    store = tmp_path / "captures.db"
+    with open(tmp_path / "proxy.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rollmarket", "proxy", "--upstream", served.removesuffix("/v1"),
+                                 "--port", str(port), "--store", str(store)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log=tmp_path / "proxy.log", timeout=60)
+        agent = Agent(ChatModel(f"http://127.0.0.1:{port}/v1"), LocalToolbox())
+        tasks = [t for t in tool_tasks() if t.task_id.startswith(("chain", "calculator"))][:3]
+        runs = [agent.run(t, Sampling(temperature=1.0, max_tokens=96, seed=9)) for t in tasks]
+    finally:
+        proc.terminate()
+        proc.wait(20)
+    rebuilt = runs_from_captures(store)
+    assert len(rebuilt) == len(runs)
+    by_answer = sorted(rebuilt, key=lambda r: len(r.steps))
+    for original, again in zip(sorted(runs, key=lambda r: len(r.steps)), by_answer):
+        assert len(again.steps) == len(original.steps)
+        for a, b in zip(original.steps, again.steps):
+            assert a.prompt_token_ids.tolist() == b.prompt_token_ids.tolist()
+            assert a.response_token_ids.tolist() == b.response_token_ids.tolist()
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
+            assert [c.name for c in a.tool_calls] == [c.name for c in b.tool_calls]
+            assert [c.result.content for c in a.tool_calls] == [c.result.content for c in b.tool_calls]
+        assert again.final_answer == original.final_answer
+    settings = ObserveSettings(model=str(MOE), rollout_engines=["proxied"], trainer_engines=["fp32"], lengths=[],
+                               from_captures={"proxied": str(store)})
+    matrix = run_observatory(settings, tmp_path / "run")
+    [cell] = matrix.cells
+    assert cell.n == len(runs) and cell.token_ess.mean > 0.999  # the fp32 server scored at fp32
+    assert ObservatoryMatrix.model_validate_json((tmp_path / "run" / "matrix.json").read_text()) == matrix

@@ -12,6 +12,9 @@ from rich.table import Table
 console = Console(stderr=True)
 
 
+_DEFAULT_ROLLOUTS = "fp32,bf16,fp16,fp8"
+
+
 def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -69,8 +72,9 @@ def print_matrix(matrix, out: Console = console) -> None:
               help="Model directory (e.g. models/tiny-moe, or any Hugging Face model on a GPU).")
 @click.option("--suite", default="agent", show_default=True, help="Task suite the agent runs.")
 @click.option("--split", default="heldout", show_default=True)
-@click.option("--rollout-engines", default="fp32,bf16,fp16,fp8", show_default=True,
-              help="Precision profiles to sample at, comma-separated.")
+@click.option("--rollout-engines", default=_DEFAULT_ROLLOUTS, show_default=True,
+              help="Precision profiles to sample at, comma-separated (left at the default with --from-*: "
+                   "only the given sources).")
 @click.option("--trainer-engines", default="fp32,bf16,fsdp-bf16", show_default=True,
               help="Engines that teacher-force: a precision, or fsdp-<precision> (FSDP2 over --fsdp-world-size ranks).")
 @click.option("--n", default=30, show_default=True, type=click.IntRange(1), help="Agent runs per rollout engine.")
@@ -87,23 +91,31 @@ def print_matrix(matrix, out: Console = console) -> None:
 @click.option("--from-rollouts", "from_rollouts", multiple=True, metavar="ENGINE=FILE",
               help="Use these agent runs (AgentTrajectory JSONL: collect output, a worker's --rollouts) as "
                    "rollout engine ENGINE instead of sampling. Repeatable.")
+@click.option("--from-captures", "from_captures", multiple=True, metavar="ENGINE=STORE",
+              help="Use the conversations a capture proxy recorded (`rollmarket proxy --store STORE`, in front of "
+                   "vLLM, SGLang or our server) as rollout engine ENGINE. Repeatable.")
 @click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
 def observe(model, suite, split, rollout_engines, trainer_engines, n, lengths, length_n, max_steps, max_tokens,
-            temperature, seed, device, concurrency, fsdp_world_size, from_rollouts, runs_dir) -> None:
+            temperature, seed, device, concurrency, fsdp_world_size, from_rollouts, from_captures, runs_dir) -> None:
     """Sample agent runs on each rollout engine, teacher-force the same token ids on each trainer
     engine, and write per-trajectory reports, the matrix with bootstrap intervals, length scaling
     and agent divergence to runs/<stamp>-<id>/. Then: rollmarket dashboard --runs RUNS_DIR."""
     from ..observatory.runner import ObserveSettings, run_observatory
     from ..runs import new_run_dir
 
-    sources = {}
-    for item in from_rollouts:
-        engine, _, path = item.partition("=")
-        if not path or not Path(path).exists():
-            raise click.BadParameter(f"{item!r}: expected ENGINE=FILE with an existing file", param_hint="--from-rollouts")
-        sources[engine] = path
-    rollouts = _csv(rollout_engines)
-    for engine in sources:
+    def pairs(items, hint: str) -> dict[str, str]:
+        found = {}
+        for item in items:
+            engine, _, path = item.partition("=")
+            if not engine or not path or not Path(path).exists():
+                raise click.BadParameter(f"{item!r}: expected ENGINE=PATH with an existing file", param_hint=hint)
+            found[engine] = path
+        return found
+
+    sources = pairs(from_rollouts, "--from-rollouts")
+    captured = pairs(from_captures, "--from-captures")
+    rollouts = _csv(rollout_engines) if not (sources or captured) or rollout_engines != _DEFAULT_ROLLOUTS else []
+    for engine in [*sources, *captured]:
         if engine not in rollouts:
             rollouts.append(engine)
     try:
@@ -111,11 +123,11 @@ def observe(model, suite, split, rollout_engines, trainer_engines, n, lengths, l
             model=model, suite=suite, split=split, rollout_engines=rollouts, trainer_engines=_csv(trainer_engines),
             n=n, lengths=[int(x) for x in _csv(lengths)], length_n=length_n, max_steps=max_steps,
             max_tokens=max_tokens, temperature=temperature, seed=seed, device=device, concurrency=concurrency,
-            fsdp_world_size=fsdp_world_size, from_rollouts=sources)
+            fsdp_world_size=fsdp_world_size, from_rollouts=sources, from_captures=captured)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     known = {"fp32", "bf16", "fp16", "fp8"}
-    bad = [e for e in settings.rollout_engines if e not in known and e not in sources]
+    bad = [e for e in settings.rollout_engines if e not in known and e not in sources and e not in captured]
     bad += [e for e in settings.trainer_engines if e.removeprefix("fsdp-") not in known]
     if bad:
         raise click.BadParameter(f"unknown engine(s) {bad}; precisions are {sorted(known)}, trainers may be fsdp-<p>")

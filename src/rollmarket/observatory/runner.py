@@ -73,6 +73,10 @@ class ObserveSettings(BaseModel):
         default_factory=dict,
         description="Rollout engine name -> a rollouts JSONL (AgentTrajectory lines) to use instead of "
                     "sampling: e.g. a worker's --rollouts file or `rollmarket collect` output.")
+    from_captures: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rollout engine name -> a capture store (`rollmarket proxy --store`): each captured "
+                    "conversation becomes one run (any engine behind the proxy: vLLM, SGLang, ...).")
 
 
 @dataclass
@@ -377,6 +381,10 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
         if rollout in settings.from_rollouts:
             source = Path(settings.from_rollouts[rollout])
             raw = [AgentTrajectory.model_validate_json(line) for line in source.read_text().splitlines() if line.strip()]
+        elif rollout in settings.from_captures:
+            from .sources import runs_from_captures
+
+            raw = runs_from_captures(settings.from_captures[rollout])
         else:
             raw = sample_agent_runs(settings, rollout, tasks, progress)
         # Length probes need the engine itself: only for rollout engines that are precision profiles.

@@ -1,0 +1,20 @@
+"""The reference trainer's algorithm core: advantages, off-policy corrections and policy losses.
+
+Pure tensor functions over shape-suffixed arrays (`rewards_G`, `logprobs_BT`, `mask_BT`); no model,
+no I/O. Formulas and their sources are in docs/training.md, "Algorithms".
+"""
+
+from .advantages import ADVANTAGE_MODES, compute_advantages
+from .corrections import Correction, masked_is, sequence_tis, token_tis
+from .losses import LossConfig, policy_loss
+
+__all__ = [
+    "ADVANTAGE_MODES",
+    "Correction",
+    "LossConfig",
+    "compute_advantages",
+    "masked_is",
+    "policy_loss",
+    "sequence_tis",
+    "token_tis",
+]

@@ -45,7 +45,7 @@ class LossConfig:
     kl_coef: float = 0.0
     """Weight of the KL-to-reference term; 0 turns it off."""
     kl_kind: Literal["k1", "k3"] = "k3"
-    """k1 = lp − ref; k3 = exp(ref − lp) − (ref − lp) − 1 (Schulman's unbiased, non-negative estimator)."""
+    """k1 = lp − ref; k3 = exp(ref − lp) − (ref − lp) − 1 (Schulman's unbiased non-negative estimator)."""
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
@@ -64,7 +64,9 @@ class LossConfig:
             raise ValueError("kl_coef must be non-negative")
 
 
-def aggregate(loss_BT: torch.Tensor, mask_BT: torch.Tensor, aggregation: str, norm_len: int | None = None) -> torch.Tensor:
+def aggregate(
+    loss_BT: torch.Tensor, mask_BT: torch.Tensor, aggregation: str, norm_len: int | None = None
+) -> torch.Tensor:
     """Reduce per-token losses to a scalar over the valid tokens (see LossConfig.aggregation)."""
     m_BT = mask_BT.to(loss_BT.dtype)
     masked_BT = loss_BT * m_BT

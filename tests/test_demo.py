@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_demo_fires_every_path_and_writes_its_run_directory(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "rollmarket", "demo", "--runs-dir", str(tmp_path), "--timeout", "200"],
+        [sys.executable, "-m", "rollmarket", "demo", "paths", "--runs-dir", str(tmp_path), "--timeout", "200"],
         capture_output=True, text=True, timeout=280, cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

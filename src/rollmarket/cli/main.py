@@ -109,7 +109,36 @@ def exchange_audit(url: str, token: str, kind: str | None, subject: str | None, 
         click.echo(event.model_dump_json())
 
 
-@main.command()
+@main.group(invoke_without_command=True)
+@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
+              help="Where the run directory is created.")
+@click.option("--steps", default=4, show_default=True, help="Training steps (policy versions).")
+@click.option("--model", default="models/tiny-moe", show_default=True, help="Model to train (a HF directory).")
+@click.option("--precisions", default="bf16,fp8", show_default=True,
+              help="Rollout precisions, one real worker process each.")
+@click.option("--suite", default="lookup", show_default=True, help="Task suite (train split: jobs; heldout: eval).")
+@click.option("--eval-tasks", default=20, show_default=True, help="Held-out tasks evaluated before and after.")
+@click.pass_context
+def demo(ctx: click.Context, runs_dir: Path, steps: int, model: str, precisions: str, suite: str,
+         eval_tasks: int) -> None:
+    """Run the main job: train the tiny MoE for a few steps through a real exchange with real workers
+    at two precisions, showing the gate's decisions and the mismatch per step, and end with the
+    observatory matrix. `rollmarket demo paths` runs the exchange's fault-path demo instead."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from ..train.demo import TrainDemoConfig, run_train_demo
+
+    chosen = [p for p in precisions.split(",") if p]
+    unknown = [p for p in chosen if p not in ("fp32", "bf16", "fp16", "fp8")]
+    if unknown:
+        raise click.UsageError(f"--precisions: unknown {unknown}; choose from fp32, bf16, fp16, fp8")
+    if not (Path(model) / "config.json").exists():
+        raise click.UsageError(f"--model {model}: no such model directory (run from the repository root)")
+    run_train_demo(TrainDemoConfig(model=model, precisions=chosen, suite=suite, steps=steps, eval_tasks=eval_tasks),
+                   runs_dir=runs_dir, console=console)
+
+
+@demo.command("paths")
 @click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Where the run directory is created.")
 @click.option("--steps", default=12, show_default=True, help="Most trainer steps (policy versions).")
@@ -124,10 +153,11 @@ def exchange_audit(url: str, token: str, kind: str | None, subject: str | None, 
 @click.option("--precisions", default="fp32,bf16,fp8", show_default=True,
               help="Precision profiles of the real workers, one worker each.")
 @click.option("--suite", default="arithmetic", show_default=True, help="Task suite of the real workers' jobs.")
-def demo(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool,
-         model: str, precisions: str, suite: str) -> None:
-    """Run the main job: an exchange, real agent workers on the tiny MoE at several precisions,
-    faulty and honest simulated workers, and a trainer, as real processes."""
+def demo_paths(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool,
+               model: str, precisions: str, suite: str) -> None:
+    """The exchange's fault paths: real agent workers on the tiny MoE at several precisions, faulty
+    and honest simulated workers and a simulated trainer, as real processes, until every path
+    (train, correction, replay, quarantine, reject, lease expiry, abandonment, quorum) fired."""
     from ..sim.demo import DemoConfig, run_demo
 
     real = [[f"tiny-moe-{p}", p] for p in precisions.split(",") if p]
@@ -188,3 +218,7 @@ main.add_command(dashboard)
 
 if __name__ == "__main__":
     main()
+
+from .train import train_command  # noqa: E402
+
+main.add_command(train_command)

@@ -7,6 +7,7 @@ the device differ. Nothing is fetched from a hub (``local_files_only``).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,9 @@ class LoadedModel:
     device: torch.device
 
 
+_LOAD_LOCK = threading.Lock()
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,7 +74,10 @@ def load_model(path: str | Path, precision: str | Precision = Precision.fp32,
         raise ModelLoadError(f"{root} has no config.json; expected a Hugging Face model directory")
     profile = parse_precision(precision)
     dev = resolve_device(device)
-    model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32, local_files_only=True)
+    # transformers 5 builds the model on the meta device and converts checkpoint keys as it loads;
+    # two threads loading at once (in-process workers reloading together) left tensors on meta.
+    with _LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32, local_files_only=True)
     apply_precision(model, profile)
     model.to(dev).eval()
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)

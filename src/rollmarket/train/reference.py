@@ -45,6 +45,7 @@ from ..serve import create_serve_app
 from ..serve.settings import ServeSettings
 from ..tasks.suites import load_suite
 from ..verifiers import verify_trajectory
+from .batch import pad_batch  # right-padding; slot t of a *_BT tensor scores token t+1
 from . import (
     LossConfig,
     TransformConfig,
@@ -121,25 +122,6 @@ def evaluate(agent, tasks, max_tokens: int) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # The learner: one teacher-forced forward over the stitched sequences, one loss, one step.
-
-
-def pad_batch(views, pad_id: int):
-    """Right-pad prompt+response of each view. Slot t of the *_BT tensors scores token t+1."""
-    lengths = [len(v.prompt_token_ids_P) + len(v.response_token_ids_T) for v in views]
-    B, S = len(views), max(lengths)
-    ids_BS = torch.full((B, S), pad_id, dtype=torch.long)
-    attn_BS = torch.zeros((B, S), dtype=torch.long)
-    action_BT = torch.zeros((B, S - 1))
-    behaviour_BT = torch.zeros((B, S - 1))
-    for b, v in enumerate(views):
-        P, R = len(v.prompt_token_ids_P), len(v.response_token_ids_T)
-        ids_BS[b, :P] = torch.from_numpy(v.prompt_token_ids_P.astype("int64"))
-        ids_BS[b, P:P + R] = torch.from_numpy(v.response_token_ids_T.astype("int64"))
-        attn_BS[b, :P + R] = 1
-        # response token r sits at position P + r and is predicted from slot P + r - 1
-        action_BT[b, P - 1:P - 1 + R] = torch.from_numpy(v.action_mask_T.astype("float32"))
-        behaviour_BT[b, P - 1:P - 1 + R] = torch.from_numpy(v.logprobs_T.astype("float32"))
-    return ids_BS, attn_BS, action_BT, behaviour_BT
 
 
 def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) -> dict[str, float]:
@@ -224,11 +206,13 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
                 t_sample = time.perf_counter() - t0
 
                 # 2. Score, then advantages within each group; runs that tie their group carry no signal.
-                views, advantages, rewards, passed, lengths, ties = [], [], [], [], [], 0
+                views, advantages, rewards, passed, lengths, ties, uniform = [], [], [], [], [], 0, 0
                 for runs in groups:
                     rewards_G = torch.tensor([r.reward for r in runs], dtype=torch.float32)
                     advantages_G = compute_advantages(rewards_G, cfg.advantage_mode)
-                    ties += int(bool((rewards_G == rewards_G[0]).all()))
+                    distinct = len(set(rewards_G.tolist()))
+                    ties += int(distinct < len(runs))  # some two runs of the group scored the same
+                    uniform += int(distinct == 1)  # the whole group did: no signal at all
                     rewards += rewards_G.tolist()
                     passed += [bool(r.verification and r.verification.passed) for r in runs]
                     for run, adv in zip(runs, advantages_G.tolist()):
@@ -260,6 +244,7 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
                     "mean_reward": sum(rewards) / len(rewards),
                     "num_datums": len(views),
                     "reward_tie_group_rate": ties / len(groups),
+                    "reward_uniform_group_rate": uniform / len(groups),
                     "critic/rewards/mean": sum(rewards) / len(rewards),
                     "critic/advantages/mean": sum(advantages) / len(advantages) if advantages else 0.0,
                     "response_length/mean": sum(lengths) / len(lengths),

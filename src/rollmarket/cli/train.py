@@ -1,0 +1,88 @@
+"""`rollmarket train`: the closed-loop trainer. Prints one line per step; the run directory is the record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+console = Console()
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def step_line(row: dict) -> str:
+    """One step as a console line: accuracy, gate decisions, mismatch, loss, time."""
+    gate = "/".join(str(row.get(f"gate/{k}", 0)) for k in ("train", "train_with_correction", "replay", "quarantine"))
+    precisions = sorted({k.split("/")[1] for k in row if k.startswith("mismatch/") and k.endswith("/groups")})
+    mismatch = "  ".join(
+        f"{p} ESS {_fmt(row.get(f'mismatch/{p}/token_ess_mean'), '.4f')} |Δ| {_fmt(row.get(f'mismatch/{p}/mean_abs_delta'), '.1e')}"
+        f" flip {_fmt(row.get(f'mismatch/{p}/router_flip_rate'), '.1%')}" for p in precisions)
+    line = (f"step {row['step']:3d} v{row['policy_version']}  correct {row['correct_rate']:.3f} "
+            f"(running {row['running_correct_rate']:.3f})  gate t/c/r/q {gate}  datums {row['num_datums']:3d}  "
+            f"loss {row['loss']:+.4f}  {mismatch}  {row['timing_s/step']:.1f}s")
+    if "eval/accuracy/mean" in row:
+        line += f"  [bold]eval {row['eval/accuracy/mean']:.3f}[/] pass@1 {_fmt(row.get('eval/pass@1'), '.3f')}"
+    return line
+
+
+@click.command("train", context_settings={"ignore_unknown_options": False})
+@click.argument("config", required=False, type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("overrides", nargs=-1)
+@click.option("--local", is_flag=True, help="Start an exchange and one worker per local.workers precision in this "
+                                            "process (quick experiments; no other process needed).")
+@click.option("--resume", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Continue a run from its newest checkpoint (its saved config; OVERRIDES still apply).")
+@click.option("--print-config", is_flag=True, help="Print the resolved config as JSON and exit.")
+def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, resume: Path | None,
+                  print_config: bool) -> None:
+    """Train a policy through the exchange (GRPO family): CONFIG.toml plus KEY=VALUE overrides.
+
+    \b
+      rollmarket train configs/train-lookup.toml --local
+      rollmarket train configs/train-lookup.toml optim.lr=1e-4 loop.steps=40 --local
+      rollmarket train cfg.toml exchange.url=http://127.0.0.1:8470   # workers run elsewhere
+      rollmarket train --resume runs/20261126T101500Z-ab12cd --local
+    """
+    from ..train.config import TrainConfigError, resolve
+    from ..train.loop import Trainer, TrainingError, resume_config
+
+    if config is not None and "=" in str(config) and not config.exists():
+        overrides, config = (str(config), *overrides), None  # only overrides were given
+    try:
+        cfg = resume_config(resume, list(overrides)) if resume else resolve(config, list(overrides))
+    except TrainConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    if print_config:
+        click.echo(cfg.model_dump_json(indent=2))
+        return
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "setup":
+            console.print(f"[bold]rollmarket train[/] → {data['run_dir']}"
+                          + (" (local exchange and workers)" if data["local"] else ""), highlight=False)
+        elif kind == "quorum":
+            console.print(f"waiting for workers to load policy v{data['version']}…", highlight=False)
+        elif kind == "eval":
+            console.print(f"evaluating on {cfg.eval.tasks} held-out {cfg.rollout.suite} tasks (step {data['step']})…",
+                          highlight=False)
+
+    trainer = Trainer(cfg, local=local, resume=resume, on_step=lambda row: console.print(step_line(row), highlight=False),
+                      on_event=on_event)
+    try:
+        with console.status("training…", spinner="dots"):
+            run_dir = trainer.run()
+    except (TrainingError, TrainConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    if before and after:
+        console.print(f"held-out accuracy {before['eval/accuracy/mean']:.3f} → {after['eval/accuracy/mean']:.3f} "
+                      f"(pass@1 {before.get('eval/pass@1', 0):.3f} → {after.get('eval/pass@1', 0):.3f}) "
+                      f"in {summary['minutes']:.1f} min", highlight=False)
+    console.print(f"metrics: {run_dir}/metrics.jsonl  generations: {run_dir}/generations.jsonl", highlight=False)

@@ -1,0 +1,199 @@
+"""Settings of `rollmarket train`: one TOML file, every key overridable from the command line.
+
+    rollmarket train configs/train-lookup.toml loop.steps=40 optim.lr=5e-5 local.workers='["bf16"]'
+
+The resolved settings (file + overrides + defaults) are saved as `config.json` in the run
+directory; a resumed run reads them back from there, so a resume cannot silently change them.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ..gate import GateConfig
+from .lora import LoraSettings
+
+
+class TrainConfigError(ValueError):
+    """The config file or an override is malformed, names an unknown key or has a bad value."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSection(_Section):
+    path: str = Field("models/tiny-moe", description="Hugging Face model directory the policy starts from.")
+    device: str = Field("cpu", description="Trainer device: cpu, cuda, cuda:1 …")
+    threads: int = Field(1, ge=1, description="torch CPU threads of the trainer (1 is fastest on a busy 2-core box).")
+
+
+class RolloutSection(_Section):
+    suite: str = Field("lookup", description="Shipped task suite (train split feeds jobs, heldout split evaluation).")
+    groups_per_step: int = Field(8, ge=1, description="Groups (tasks) the trainer uses per optimizer step.")
+    group_size: int = Field(4, ge=2, description="Agent runs per task (G); advantages are taken within a group.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the trainer scores logits / temperature.")
+    max_tokens: int = Field(96, ge=1, description="Tokens per model turn.")
+    precisions: list[str] = Field(
+        default_factory=lambda: ["bf16", "fp8"],
+        description="Rollout precisions the jobs ask for, round robin over a step's jobs "
+                    "(each needs a worker that offers it).")
+    seed: int = Field(0, description="Task order and sampling seeds.")
+
+
+class AlgorithmSection(_Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "maxrl"] = Field("grpo", description="Group advantage mode.")
+    transform: Literal["none", "gtpo", "gtpo_hicra", "gtpo_sepa"] = Field(
+        "none", description="Token transform on the trainer's own entropies. The agent suites have no "
+                            "planning-token detector, so the planning mask is empty: gtpo_hicra equals gtpo "
+                            "and gtpo_sepa pools every token's entropy.")
+    sepa_steps: int = Field(0, ge=0, description="gtpo_sepa: length of λ's linear ramp (0 keeps λ = 0).")
+    sepa_delay_steps: int = Field(0, ge=0, description="gtpo_sepa: steps before the ramp starts.")
+    sepa_correct_rate_gate: float = Field(0.0, ge=0, le=1, description="gtpo_sepa: correct rate that opens λ's gate.")
+    loss: Literal["ppo_clip", "cispo", "reinforce"] = Field("ppo_clip", description="Policy-gradient estimator.")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip ε_low.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip ε_high (DAPO clip-higher).")
+    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = Field(
+        "token_mean", description="How token losses reduce to the batch loss.")
+    kl_coef: float = Field(0.0, ge=0, description="KL to the starting policy; 0 keeps no reference model.")
+    kl_kind: Literal["k1", "k3"] = Field("k3", description="KL estimator.")
+    updates_per_batch: int = Field(
+        1, ge=1, description="Optimizer steps per fetched batch (mini-batches); above 1 the PPO ratio moves "
+                             "away from 1 and clipping matters.")
+
+
+class CorrectionSection(_Section):
+    when: Literal["gate", "always", "never"] = Field(
+        "gate", description="gate: IS correction on for groups the gate marks train_with_correction (and "
+                            "replayed groups); always / never: for every group.")
+    kind: Literal["token_tis", "sequence_tis", "masked_is"] = Field(
+        "token_tis", description="Correction applied to exp(logπ_old − logπ_behaviour).")
+    cap: float = Field(2.0, gt=0, description="TIS cap C.")
+    token_bounds: tuple[float, float] | None = Field(None, description="masked_is: per-token ratio bounds.")
+    sequence_bounds: tuple[float, float] | None = Field(None, description="masked_is: sequence ratio bounds.")
+    geo_mean_bounds: tuple[float, float] | None = Field(
+        (0.5, 2.0), description="masked_is: geometric-mean ratio bounds.")
+
+
+class OptimSection(_Section):
+    lr: float = Field(5e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+
+
+class LoopSection(_Section):
+    steps: int = Field(20, ge=1, description="Optimizer steps (policy versions published).")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: wait for the reload quorum before the next step's jobs; async: keep "
+                            "workers busy and accept groups up to max_staleness versions old.")
+    max_staleness: int = Field(1, ge=0, description="async: oldest group lag accepted for training.")
+    quorum: int | None = Field(None, ge=1, description="Reload acks that activate a version (None: the exchange's rule).")
+    quorum_timeout_s: float = Field(300.0, gt=0, description="sync: longest wait for a reload quorum.")
+    fetch_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's groups.")
+    replay: bool = Field(False, description="Train on groups the gate sends to replay (with IS correction).")
+    keep_checkpoints: int = Field(3, ge=1, description="Checkpoints kept on disk (the newest).")
+    save_optimizer: bool = Field(True, description="Save optimizer state with each checkpoint (resume).")
+
+
+class EvalSection(_Section):
+    every: int = Field(10, ge=0, description="Evaluate every N steps, and before the first and after the last; 0: only those two.")
+    tasks: int = Field(50, ge=0, description="Held-out tasks (the first N of the heldout split); 0 turns evaluation off.")
+    samples: int = Field(4, ge=1, description="Samples per task at `temperature` for pass@k (k ≤ samples).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
+    max_turns: int = Field(4, ge=1, description="Agent turns per evaluation run.")
+
+
+class AgentSection(_Section):
+    max_turns: int = Field(4, ge=1, description="Agent turns per run (workers get it as --max-steps).")
+
+
+class LocalSection(_Section):
+    workers: list[str] = Field(
+        default_factory=lambda: ["bf16", "fp8"], description="--local: one in-process worker per precision listed.")
+    threads: int = Field(1, ge=1, description="--local: torch threads per worker engine.")
+    lease_ttl_s: float = Field(60.0, gt=0, description="--local: the exchange's lease TTL.")
+
+
+class ExchangeSection(_Section):
+    url: str | None = Field(None, description="Exchange base URL; None with --local starts one in-process.")
+    token_env: str = Field("ROLLMARKET_TRAINER_TOKEN", description="Environment variable holding the trainer token.")
+    trainer_id: str = Field("rollmarket-trainer", description="This trainer's id in decisions and feedback.")
+
+
+class LoggingSection(_Section):
+    trackers: list[Literal["wandb", "tensorboard"]] = Field(
+        default_factory=list, description="Optional writers beside metrics.jsonl (W&B runs offline by default).")
+    wandb_project: str = Field("rollmarket", description="W&B project.")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode.")
+    generations_every: int = Field(1, ge=0, description="Write generations.jsonl rows every N steps; 0: never.")
+
+
+class TrainConfig(_Section):
+    """Everything `rollmarket train` does. Defaults give a quick CPU run on the tiny MoE model."""
+
+    model: ModelSection = ModelSection()
+    rollout: RolloutSection = RolloutSection()
+    agent: AgentSection = AgentSection()
+    algorithm: AlgorithmSection = AlgorithmSection()
+    correction: CorrectionSection = CorrectionSection()
+    optim: OptimSection = OptimSection()
+    lora: LoraSettings = LoraSettings()
+    loop: LoopSection = LoopSection()
+    gate: GateConfig = GateConfig()
+    eval: EvalSection = EvalSection()
+    local: LocalSection = LocalSection()
+    exchange: ExchangeSection = ExchangeSection()
+    logging: LoggingSection = LoggingSection()
+    runs_root: str = Field("runs", description="Run directories go under here.")
+    seed: int = Field(0, description="torch seed of the trainer (init of LoRA adapters, dropout).")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainConfig":
+        if self.correction.kind == "masked_is" and not (
+                self.correction.token_bounds or self.correction.sequence_bounds or self.correction.geo_mean_bounds):
+            raise ValueError("correction.kind = masked_is needs at least one of token_bounds, sequence_bounds, "
+                             "geo_mean_bounds")
+        return self
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` → (["a", "b"], value), the value read as a TOML value (a bare word is a string)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise TrainConfigError(f"override {text!r} is not KEY=VALUE (e.g. optim.lr=1e-4)")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string such as loop.mode=async
+    return [part.strip() for part in key.split(".")], value
+
+
+def resolve(path: Path | str | None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
+    """The config from `base` (a saved config.json's dict), else the TOML file, with overrides applied."""
+    data: dict = dict(base or {})
+    if base is None and path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise TrainConfigError(f"cannot read {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise TrainConfigError(f"{path} is not valid TOML: {exc}") from None
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise TrainConfigError(f"override {text!r}: {key} is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors()]
+        raise TrainConfigError("bad training config:\n" + "\n".join(lines)) from None

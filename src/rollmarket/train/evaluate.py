@@ -1,0 +1,56 @@
+"""Held-out evaluation of the policy being trained: the trainer's own weights behind the agent loop.
+
+    eval/accuracy/mean    share of held-out tasks solved at temperature 0
+    eval/pass@k           unbiased pass@k (Chen et al. 2021) from `samples` runs per task at
+                          the evaluation temperature, for k = 1, 2, 4 … ≤ samples
+    eval/reward/mean      mean reward of the sampled runs
+
+The model is served on a loopback port with `serve-model`'s app for the duration of the call, so
+the evaluation runs the same agent, tools and verifiers as the workers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+from ..agents import Agent, AgentSettings, ChatModel, LocalToolbox, Sampling
+from ..contracts import TaskSpec
+from ..engines import RolloutEngine
+from ..verifiers import verify_trajectory
+from ..verifiers.profile import pass_at_k
+
+
+def _passed(run) -> bool:
+    return bool(run.verification and run.verification.passed)
+
+
+def evaluate_policy(learner, tasks: list[TaskSpec], *, samples: int, temperature: float, max_tokens: int,
+                    max_turns: int, seed: int = 0) -> tuple[dict[str, float], list[dict]]:
+    """The eval/* metrics and one row per task (greedy pass, sampled passes: for paired statistics)."""
+    from .reference import serve_in_process  # the reference loop's loopback server
+
+    if not tasks:
+        return {}, []
+    engine = RolloutEngine(replace(learner.loaded, model=learner.model.eval()))
+    with serve_in_process(engine) as url:
+        agent = Agent(ChatModel(url), LocalToolbox(), AgentSettings(max_steps=max_turns), verify=verify_trajectory)
+        greedy = Sampling(temperature=0.0, max_tokens=max_tokens, seed=0)
+        with ThreadPoolExecutor(min(32, len(tasks))) as pool:
+            greedy_runs = list(pool.map(lambda task: agent.run(task, greedy), tasks))
+            sampled = list(pool.map(lambda it: agent.run_group(
+                it[1], samples, Sampling(temperature=temperature, max_tokens=max_tokens,
+                                         seed=(seed * 7919 + it[0]) % 2**31)), enumerate(tasks)))
+    out = {"eval/accuracy/mean": sum(map(_passed, greedy_runs)) / len(tasks)}
+    k = 1
+    while k <= samples:
+        values = [pass_at_k(len(runs), sum(map(_passed, runs)), k) for runs in sampled]
+        out[f"eval/pass@{k}"] = sum(v for v in values if v is not None) / len(values)
+        k *= 2
+    rewards = [r.reward for runs in sampled for r in runs]
+    out["eval/reward/mean"] = sum(rewards) / len(rewards)
+    out["eval/tasks"] = len(tasks)
+    per_task = [{"task_id": task.task_id, "greedy_passed": _passed(g), "sampled_passed": [_passed(r) for r in runs],
+                 "sampled_rewards": [r.reward for r in runs]}
+                for task, g, runs in zip(tasks, greedy_runs, sampled)]
+    return out, per_task

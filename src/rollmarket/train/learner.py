@@ -1,0 +1,236 @@
+"""The learner: the trainable policy, its teacher forcing, one optimizer step, its checkpoints.
+
+The trainer engine that scores fetched groups (`score`) is the same nn.Module the optimizer
+updates, wrapped by `TrainerEngine` (chunked log-softmax, routed-expert capture): the logprobs the
+gate sees are exactly π_old, the policy the step starts from, at the trainer's numerics.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engines import TrainerEngine
+from ..engines.loading import LoadedModel, load_model
+from ..engines.provenance import checkpoint_digest
+from ..engines.teacher import TeacherForced
+from .batch import Datum, collate
+from .config import TrainConfig
+from .corrections import masked_is, sequence_tis, token_tis
+from .losses import LossConfig, policy_loss
+from .transforms import SepaSchedule, TransformConfig, token_advantages, token_entropy
+
+TRAINER_STATE = "trainer"
+"""Sub-directory of a checkpoint with what only the trainer needs (optimizer, counters, adapters).
+Workers read only the top level (`*.safetensors`, config, tokenizer), so it stays out of the digest."""
+
+
+class Learner:
+    """The policy being trained, on one device (`fully_shard` is the path to several; DESIGN.md)."""
+
+    def __init__(self, config: TrainConfig, *, resume_from: Path | None = None):
+        self.config = config
+        torch.manual_seed(config.seed)
+        torch.set_num_threads(config.model.threads)
+        self.base_path = Path(config.model.path)
+        # Full fine-tuning resumes from the checkpoint's weights; LoRA from the base plus its adapters.
+        start = resume_from if resume_from is not None and not config.lora.enabled else self.base_path
+        self.loaded: LoadedModel = load_model(start, "fp32", config.model.device)
+        self.reference = None
+        if config.algorithm.kl_coef > 0:  # the starting policy, frozen
+            base = self.loaded.model if start == self.base_path else load_model(self.base_path, "fp32",
+                                                                                config.model.device).model
+            self.reference = copy.deepcopy(base).eval().requires_grad_(False)
+        model = self.loaded.model
+        if config.lora.enabled:
+            from .lora import apply_lora
+
+            model = apply_lora(model, config.lora)
+        self.model = model.eval()
+        self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
+        a = config.algorithm
+        self.sepa = SepaSchedule(steps=a.sepa_steps, delay_steps=a.sepa_delay_steps,
+                                 correct_rate_gate=a.sepa_correct_rate_gate)
+        self.steps_done = 0
+        if resume_from is not None:
+            self._restore(resume_from)
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.loaded.tokenizer
+        return int(tok.pad_token_id if tok.pad_token_id is not None else self.loaded.info.eos_token_ids[0])
+
+    # -- teacher forcing ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score(self, pairs: list[tuple[np.ndarray, np.ndarray]], temperature: float) -> list[TeacherForced]:
+        """π_old's logprobs, entropies and routed experts of each (prompt, response) pair."""
+        self.model.eval()
+        return self.engine.score_batch(pairs, temperature=temperature)
+
+    # -- one optimizer step ---------------------------------------------------------------------------
+
+    def _correction(self, log_ratio_BT, mask_BT):
+        c = self.config.correction
+        if c.kind == "token_tis":
+            return token_tis(log_ratio_BT, mask_BT, cap=c.cap)
+        if c.kind == "sequence_tis":
+            return sequence_tis(log_ratio_BT, mask_BT, cap=c.cap)
+        return masked_is(log_ratio_BT, mask_BT, token_bounds=c.token_bounds, sequence_bounds=c.sequence_bounds,
+                         geo_mean_bounds=c.geo_mean_bounds)
+
+    def _forward(self, batch, temperature: float):
+        logits_BSV = self.model(input_ids=batch.ids_BS.to(self.loaded.device),
+                                attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
+        # The policy is the distribution the engine sampled from: logits / temperature.
+        logits_BTV = logits_BSV[:, :-1] / temperature
+        targets_BT = batch.ids_BS[:, 1:].to(logits_BTV.device)
+        logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT[..., None]).squeeze(-1)
+        return logits_BTV, logprobs_BT.cpu()
+
+    def step(self, data: list[Datum], temperature: float) -> dict[str, float]:
+        """Optimizer step(s) on `data`; the metrics of the last update (verl names).
+
+        IS correction (config.correction) applies to sequences with `corrected` set: weights from
+        Δ = logπ_old − logπ_behaviour, the trainer's own logprobs against what the rollout engine
+        reported, which covers both engine numerics and policy lag.
+        """
+        cfg = self.config
+        a = cfg.algorithm
+        loss_config = LossConfig(kind=a.loss, clip_low=a.clip_low, clip_high=a.clip_high,
+                                 cispo_cap=1 + a.clip_high, aggregation=a.aggregation, kl_coef=a.kl_coef,
+                                 kl_kind=a.kl_kind)
+        transform = TransformConfig(mode=a.transform)
+        batch = collate(data, self.pad_id)
+        mask_BT = batch.mask_BT
+        n_valid = mask_BT.sum().clamp(min=1)
+        ref_BT = None
+        if self.reference is not None:
+            with torch.no_grad():
+                logits = self.reference(input_ids=batch.ids_BS.to(self.loaded.device),
+                                        attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
+                ref_BT = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(
+                    -1, batch.ids_BS[:, 1:, None].to(logits.device)).squeeze(-1).cpu()
+        metrics: dict[str, float] = {}
+        minibatches = np.array_split(np.arange(len(data)), min(a.updates_per_batch, len(data)))
+        self.model.train()
+        for rows in minibatches:
+            rows_t = torch.from_numpy(rows)
+            sub = _rows(batch, rows_t)
+            logits_BTV, logprobs_BT = self._forward(sub, temperature)
+            old_BT = sub.old_BT if sub.old_BT is not None else logprobs_BT.detach()
+            entropies_BT = token_entropy(logits_BTV).cpu()
+            del logits_BTV
+            adv_BT, transform_metrics = token_advantages(
+                sub.advantages_B, entropies_BT, sub.mask_BT, transform,
+                planning_mask_BT=torch.zeros_like(sub.mask_BT) if transform.needs_planning else None,
+                sepa_lambda=self.sepa.lambda_at(self.steps_done))
+            delta_BT = (old_BT - sub.behaviour_BT) * sub.mask_BT
+            corr = self._correction(delta_BT, sub.mask_BT)
+            corrected_BT = sub.corrected_B[:, None].expand_as(sub.mask_BT)
+            weights_BT = torch.where(corrected_BT, corr.weights_BT, torch.ones_like(corr.weights_BT))
+            loss_mask_BT = torch.where(corrected_BT, corr.mask_BT.float(), sub.mask_BT)
+            loss, loss_metrics = policy_loss(
+                logprobs_BT, old_BT, adv_BT, loss_mask_BT, loss_config,
+                is_weights_BT=weights_BT if bool(sub.corrected_B.any()) else None,
+                ref_logprobs_BT=None if ref_BT is None else ref_BT[rows_t])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip)
+            self.optimizer.step()
+            m = sub.mask_BT
+            metrics = {
+                **corr.metrics, **loss_metrics, **transform_metrics,
+                "loss": float(loss.detach()),
+                "actor/grad_norm": float(grad_norm),
+                "actor/entropy": float((entropies_BT * m).sum() / m.sum().clamp(min=1)),
+                "actor/lr": self.optimizer.param_groups[0]["lr"],
+            }
+        self.model.eval()
+        self.steps_done += 1
+        full_delta_BT = ((batch.old_BT if batch.old_BT is not None else batch.behaviour_BT) - batch.behaviour_BT) * mask_BT
+        metrics.update({
+            "rollout_corr/mean_abs_delta": float(full_delta_BT.abs().sum() / n_valid),
+            "rollout_corr/max_abs_delta": float(full_delta_BT.abs().max()) if full_delta_BT.numel() else 0.0,
+            "rollout_corr/corrected_fraction": float(batch.corrected_B.float().mean()),
+            **self.sepa.metrics(self.steps_done),
+        })
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Full-model weights under the base model's names (LoRA adapters merged in)."""
+        from .lora import merged_state_dict
+
+        # Also without adapters: it writes the checkpoint's own key layout (transformers 5 keeps MoE
+        # experts fused in memory and splits them on save), tied weights once, as save_pretrained does.
+        return merged_state_dict(self.model)
+
+    def save(self, target: Path, *, version: int, extra_state: dict, save_optimizer: bool = True) -> str:
+        """Write a checkpoint directory workers can load (atomically: a partial dir, then rename).
+
+        Returns its digest (sha256 over the *.safetensors files, what workers check).
+        """
+        from safetensors.torch import save_file
+
+        partial = target.with_name(f".{target.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        for item in self.base_path.iterdir():  # config, tokenizer, chat template, generation config
+            if item.is_file() and item.suffix not in (".safetensors", ".bin") and item.name != "README.md":
+                shutil.copy2(item, partial / item.name)
+        save_file(self.weights(), str(partial / "model.safetensors"),
+                  metadata={"format": "pt", "policy_version": str(version)})
+        state_dir = partial / TRAINER_STATE
+        state_dir.mkdir()
+        if save_optimizer:
+            torch.save(self.optimizer.state_dict(), state_dir / "optimizer.pt")
+        if self.config.lora.enabled:
+            trainable = {k: v.detach().cpu().contiguous() for k, v in self.model.named_parameters() if v.requires_grad}
+            save_file(trainable, str(state_dir / "adapters.safetensors"))
+        state = {**extra_state, "version": version, "steps_done": self.steps_done,
+                 "sepa_gate_open": self.sepa.gate_open, "torch_rng": torch.get_rng_state().tolist()}
+        (state_dir / "state.json").write_text(json.dumps(state))
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+        return checkpoint_digest(target)
+
+    def _restore(self, checkpoint: Path) -> None:
+        from safetensors.torch import load_file
+
+        state_dir = checkpoint / TRAINER_STATE
+        if self.config.lora.enabled:
+            adapters = load_file(str(state_dir / "adapters.safetensors"))
+            missing = set(adapters) - {k for k, _ in self.model.named_parameters()}
+            if missing:
+                raise ValueError(f"{checkpoint}: adapter weights {sorted(missing)[:3]} do not fit this model")
+            self.model.load_state_dict(adapters, strict=False)
+        if (state_dir / "optimizer.pt").exists():
+            self.optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", weights_only=True))
+        state = json.loads((state_dir / "state.json").read_text())
+        self.steps_done = int(state["steps_done"])
+        self.sepa.gate_open = bool(state.get("sepa_gate_open", self.sepa.gate_open))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+
+
+def read_state(checkpoint: Path) -> dict:
+    return json.loads((checkpoint / TRAINER_STATE / "state.json").read_text())
+
+
+def _rows(batch, rows_t):
+    from .batch import Batch
+
+    return Batch(batch.ids_BS[rows_t], batch.attention_BS[rows_t], batch.mask_BT[rows_t], batch.behaviour_BT[rows_t],
+                 None if batch.old_BT is None else batch.old_BT[rows_t], batch.advantages_B[rows_t],
+                 batch.corrected_B[rows_t])

@@ -266,3 +266,18 @@ def test_tensorboard_mirrors_the_metrics_file(tmp_path):
     correct = events.Scalars("correct_rate")
     assert [e.step for e in correct] == [1] and correct[0].value == pytest.approx(last["correct_rate"])
     assert [e.step for e in events.Scalars("eval/accuracy/mean")] == [0, 1]
+
+
+def test_lora_run_publishes_merged_weights_that_workers_load(tmp_path):
+    run_dir = Trainer(config(tmp_path, "loop.steps=2", "rollout.precisions=['bf16']", "local.workers=['bf16']",
+                             "eval.tasks=0", "lora.enabled=true", "lora.r=4", "optim.lr=5e-3"), local=True).run()
+    metrics = rows(run_dir)
+    assert sum(r["num_datums"] for r in metrics) > 0
+    trained = load_file(str(run_dir / "checkpoints" / "v0002" / "model.safetensors"))
+    base = load_file(str(Path(MODEL) / "model.safetensors"))
+    assert trained.keys() == base.keys()
+    moved = {k for k in base if not (trained[k] == base[k]).all()}
+    assert moved and all(any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in moved)
+    assert (run_dir / "checkpoints" / "v0002" / "trainer" / "adapters.safetensors").exists()
+    acked = {e["version"] for e in worker_events(run_dir, "reload_acked")}
+    assert {1, 2} <= acked

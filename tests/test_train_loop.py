@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from rollmarket.engines.provenance import checkpoint_digest
 from rollmarket.train.config import TrainConfig, TrainConfigError, parse_override, resolve
-from rollmarket.train.loop import Trainer
+from rollmarket.train.loop import Trainer, resume_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "models" / "tiny-moe")
@@ -241,9 +241,7 @@ def test_kill_9_mid_run_then_resume_loses_no_step(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    resumed = Trainer(json.loads((run_dir / "config.json").read_text()) and
-                      TrainConfig.model_validate(json.loads((run_dir / "config.json").read_text())["config"]),
-                      local=True, resume=run_dir).run()
+    resumed = Trainer(resume_config(run_dir), local=True, resume=run_dir).run()
     assert resumed == run_dir
     metrics = rows(run_dir)
     assert [r["step"] for r in metrics] == [1, 2, 3]  # each step once, none lost

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -27,6 +28,16 @@ def step_line(row: dict) -> str:
     if "eval/accuracy/mean" in row:
         line += f"  [bold]eval {row['eval/accuracy/mean']:.3f}[/] pass@1 {_fmt(row.get('eval/pass@1'), '.3f')}"
     return line
+
+
+def accuracy_line(summary: dict) -> str | None:
+    """Held-out accuracy before → after from a run's summary.json, or None without evaluations."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    if not (before and after):
+        return None
+    return (f"held-out accuracy (greedy, {before['eval/tasks']} tasks) {before['eval/accuracy/mean']:.3f} → "
+            f"{after['eval/accuracy/mean']:.3f}; pass@1 {before['eval/pass@1']:.3f} → {after['eval/pass@1']:.3f} "
+            f"in {summary['minutes']:.1f} min")
 
 
 @click.command("train", context_settings={"ignore_unknown_options": False})
@@ -77,12 +88,7 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
             run_dir = trainer.run()
     except (TrainingError, TrainConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    import json
-
     summary = json.loads((run_dir / "summary.json").read_text())
-    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    if before and after:
-        console.print(f"held-out accuracy {before['eval/accuracy/mean']:.3f} → {after['eval/accuracy/mean']:.3f} "
-                      f"(pass@1 {before.get('eval/pass@1', 0):.3f} → {after.get('eval/pass@1', 0):.3f}) "
-                      f"in {summary['minutes']:.1f} min", highlight=False)
+    if line := accuracy_line(summary):
+        console.print(line, highlight=False)
     console.print(f"metrics: {run_dir}/metrics.jsonl  generations: {run_dir}/generations.jsonl", highlight=False)

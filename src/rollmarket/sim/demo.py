@@ -325,22 +325,11 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
     return summary
 
 
-def _observe(config: DemoConfig, run_dir: Path, console: Console) -> dict:
-    """The observatory over the real workers' agent runs: each precision's runs teacher-forced on
-    the trainer engines, with length probes and agent divergence, written into the run directory."""
+def observe_with_progress(settings, run_dir: Path, console: Console):
+    """`run_observatory` with a progress bar per stage; prints the matrix and returns it."""
     from ..cli.observe import print_matrix
-    from ..observatory.runner import ObserveSettings, run_observatory
+    from ..observatory.runner import run_observatory
 
-    sources = {precision: str(run_dir / "workers" / f"{worker_id}.rollouts.jsonl")
-               for worker_id, precision in config.real_workers
-               if (run_dir / "workers" / f"{worker_id}.rollouts.jsonl").exists()}
-    if not sources:
-        return {}
-    settings = ObserveSettings(
-        model=str(Path(config.model).resolve()), suite=config.suite, split="train",
-        rollout_engines=list(sources), trainer_engines=list(config.observe_trainers),
-        n=config.observe_length_n, lengths=list(config.observe_lengths), length_n=config.observe_length_n,
-        from_rollouts=sources)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
                   transient=True) as bars:
         stages: dict[str, int] = {}
@@ -352,6 +341,25 @@ def _observe(config: DemoConfig, run_dir: Path, console: Console) -> dict:
 
         matrix = run_observatory(settings, run_dir, progress)
     print_matrix(matrix, console)
+    return matrix
+
+
+def _observe(config: DemoConfig, run_dir: Path, console: Console) -> dict:
+    """The observatory over the real workers' agent runs: each precision's runs teacher-forced on
+    the trainer engines, with length probes and agent divergence, written into the run directory."""
+    from ..observatory.runner import ObserveSettings
+
+    sources = {precision: str(run_dir / "workers" / f"{worker_id}.rollouts.jsonl")
+               for worker_id, precision in config.real_workers
+               if (run_dir / "workers" / f"{worker_id}.rollouts.jsonl").exists()}
+    if not sources:
+        return {}
+    settings = ObserveSettings(
+        model=str(Path(config.model).resolve()), suite=config.suite, split="train",
+        rollout_engines=list(sources), trainer_engines=list(config.observe_trainers),
+        n=config.observe_length_n, lengths=list(config.observe_lengths), length_n=config.observe_length_n,
+        from_rollouts=sources)
+    matrix = observe_with_progress(settings, run_dir, console)
     return {"matrix": str(run_dir / "matrix.json"), "cells": len(matrix.cells),
             "diverged": sum(d.first_divergent_step is not None for d in matrix.divergence),
             "compared": len(matrix.divergence)}

@@ -14,6 +14,7 @@ matrix.json and reports/, summary.json.
 
 from __future__ import annotations
 
+import json
 import secrets
 import sys
 import time
@@ -55,9 +56,9 @@ def _cell(row: dict, precision: str) -> str:
 
 
 def run_train_demo(config: TrainDemoConfig, *, runs_dir: Path = Path("runs"), console: Console | None = None) -> dict:
-    from ..cli.observe import print_matrix
-    from ..observatory.runner import ObserveSettings, run_observatory
-    from ..sim.demo import _Processes
+    from ..cli.train import accuracy_line
+    from ..observatory.runner import ObserveSettings
+    from ..sim.demo import _Processes, observe_with_progress
     from .config import resolve
     from .loop import Trainer
 
@@ -122,31 +123,16 @@ def run_train_demo(config: TrainDemoConfig, *, runs_dir: Path = Path("runs"), co
     finally:
         procs.close()
     console.print(table)
-    import json
-
     summary = json.loads((run_dir / "summary.json").read_text())
-    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-    if before and after:
-        console.print(f"held-out accuracy (greedy, {config.eval_tasks} tasks): {before['eval/accuracy/mean']:.3f} → "
-                      f"{after['eval/accuracy/mean']:.3f}; pass@1 {before['eval/pass@1']:.3f} → "
-                      f"{after['eval/pass@1']:.3f}", highlight=False)
+    if line := accuracy_line(summary):
+        console.print(line, highlight=False)
 
     final = run_dir / "checkpoints" / f"v{summary['final_version']:04d}"
     settings = ObserveSettings(model=str(final), suite=config.suite, split="heldout",
                                rollout_engines=["fp32", *config.precisions], trainer_engines=["fp32", "bf16"],
                                n=config.observe_n, lengths=list(config.observe_lengths), length_n=config.observe_n,
                                max_steps=cfg.agent.max_turns, max_tokens=cfg.rollout.max_tokens)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
-                  transient=True) as bars:
-        stages: dict[str, int] = {}
-
-        def progress_cb(stage: str, done: int, total: int) -> None:
-            if stage not in stages:
-                stages[stage] = bars.add_task(f"observatory: {stage}", total=total)
-            bars.update(stages[stage], completed=done, total=total)
-
-        matrix = run_observatory(settings, run_dir, progress_cb)
-    print_matrix(matrix, console)
+    observe_with_progress(settings, run_dir, console)
     summary.update({"demo": asdict(config), "matrix": str(run_dir / "matrix.json"),
                     "seconds": round(time.monotonic() - started, 1)})
     write_json(run_dir / "summary.json", summary)

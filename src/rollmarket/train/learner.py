@@ -20,7 +20,7 @@ from ..engines import TrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
 from ..engines.teacher import TeacherForced
-from .batch import Datum, collate
+from .batch import Batch, Datum, collate
 from .config import TrainConfig
 from .corrections import masked_is, sequence_tis, token_tis
 from .losses import LossConfig, policy_loss
@@ -228,9 +228,7 @@ def read_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / TRAINER_STATE / "state.json").read_text())
 
 
-def _rows(batch, rows_t):
-    from .batch import Batch
-
+def _rows(batch: Batch, rows_t) -> Batch:
     return Batch(batch.ids_BS[rows_t], batch.attention_BS[rows_t], batch.mask_BT[rows_t], batch.behaviour_BT[rows_t],
                  None if batch.old_BT is None else batch.old_BT[rows_t], batch.advantages_B[rows_t],
                  batch.corrected_B[rows_t])

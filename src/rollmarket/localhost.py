@@ -1,7 +1,9 @@
-"""Helpers for starting services on loopback: a free port, and waiting for `/healthz`."""
+"""Helpers for starting services on loopback: a free port, claiming a port before a slow start,
+and waiting for `/healthz`."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import subprocess
 import time
@@ -14,6 +16,50 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class PortUnavailable(OSError):
+    """A server cannot listen on (host, port): the address is not this machine's, or the port is
+    privileged. `PortInUse` when another process listens there."""
+
+    def __init__(self, host: str, port: int, reason: str):
+        super().__init__(f"cannot listen on {host}:{port}: {reason}")
+        self.host, self.port, self.reason = host, port, reason
+
+
+class PortInUse(PortUnavailable):
+    """Another process already listens on (host, port)."""
+
+
+def claim_port(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with uvicorn's options (SO_REUSEADDR), not yet listening.
+
+    Bind before a slow start (loading a model) so that a taken port fails at once, then hand the
+    socket to the server (`uvicorn.Server.run(sockets=[sock])`) or close it just before it binds.
+    Raises PortInUse or PortUnavailable."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise PortUnavailable(host, port, f"unknown host ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(host, port, "another process is listening there") from None
+        raise PortUnavailable(host, port, exc.strerror or str(exc)) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise PortInUse / PortUnavailable now if a server could not listen on (host, port).
+
+    For servers that bind their own socket: there is a moment between this check and their bind."""
+    claim_port(host, port).close()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, *, log: Path | None = None, timeout: float = 30.0) -> None:

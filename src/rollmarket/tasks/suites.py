@@ -17,6 +17,7 @@ byte for byte; `rollmarket suites build` rewrites them.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -46,6 +47,18 @@ EXACT_ARGS = {"case_sensitive": False}
 ANSWER_WEIGHT, TOOLS_WEIGHT = 0.8, 0.2
 EXTRA_CALLS = 2
 """Agent tasks allow this many tool calls beyond the gold trajectory's before the tools score drops."""
+
+
+class UnknownSuite(ValueError):
+    """A suite name, or a split of it, that is not shipped. `kind` is "suite" or "split", `name`
+    the name given, `known` the names that exist and `suite` the suite of an unknown split."""
+
+    def __init__(self, kind: str, name: str, known: Iterable[str], suite: str | None = None):
+        self.kind, self.name, self.known, self.suite = kind, name, tuple(known), suite
+        close = difflib.get_close_matches(name, self.known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        of = f" of suite {suite!r}" if suite else ""
+        super().__init__(f"unknown {kind} {name!r}{of}; the {kind}s are {', '.join(self.known)}{hint}")
 
 
 class TaskFileError(ValueError):
@@ -96,13 +109,28 @@ def suite_names() -> tuple[str, ...]:
 
 def _get(name: str) -> Suite:
     if name not in SUITES:
-        raise ValueError(f"unknown suite {name!r}; expected one of {suite_names()}")
+        raise UnknownSuite("suite", name, suite_names())
     return SUITES[name]
 
 
-def _check_split(split: str) -> None:
+def _check_split(split: str, suite: str | None = None) -> None:
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+        raise UnknownSuite("split", split, SPLITS, suite)
+
+
+def check_suite(name: str, split: str | None = None) -> None:
+    """Raise UnknownSuite unless `name` (and `split`, when given) is shipped."""
+    _get(name)
+    if split is not None:
+        _check_split(split, name)
+
+
+def parse_suite_spec(spec: str, default_split: str = "heldout") -> tuple[str, str]:
+    """`NAME` or `NAME:SPLIT` → (name, split), both checked; raises UnknownSuite."""
+    name, _, split = spec.partition(":")
+    split = split or default_split
+    check_suite(name, split)
+    return name, split
 
 
 # --- where each kind's tasks come from -------------------------------------------------------------

@@ -1,16 +1,23 @@
 """Settings of `rollmarket train`: one TOML file, every key overridable from the command line.
 
     rollmarket train configs/train-lookup.toml loop.steps=40 optim.lr=5e-5 local.workers='["bf16"]'
+    rollmarket train --list-keys        # every key with its type, default and help
 
 The resolved settings (file + overrides + defaults) are saved as `config.json` in the run
 directory; a resumed run reads them back from there, so a resume cannot silently change them.
+`validate` checks what the settings name (model directory, suite, precisions) before a run
+directory is made.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,8 +25,16 @@ from ..gate import GateConfig
 from .lora import LoraSettings
 
 
+LIST_KEYS_HINT = "`rollmarket train --list-keys` lists every key with its type and default"
+
+
 class TrainConfigError(ValueError):
-    """The config file or an override is malformed, names an unknown key or has a bad value."""
+    """The config file or an override is malformed, names an unknown key or has a bad value, or
+    the settings name something that does not exist. `fix` says how to fix it, when known."""
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(message)
+        self.fix = fix
 
 
 class _Section(BaseModel):
@@ -161,11 +176,97 @@ class TrainConfig(_Section):
         return self
 
 
+@dataclass(frozen=True)
+class ConfigKey:
+    """One settable key of TrainConfig, as `rollmarket train --list-keys` prints it."""
+
+    key: str
+    """Dotted path, e.g. loop.steps."""
+    type: str
+    """The value's type, e.g. int, list[str], grpo|dr_grpo|rloo|maxrl."""
+    default: str
+    """The default as a TOML value ("unset" for None)."""
+    help: str
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _type_name(annotation: Any) -> str:
+    if get_origin(annotation) is Literal:
+        return "|".join(str(a) for a in get_args(annotation))
+    if isinstance(annotation, type) and not get_args(annotation):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _toml_value(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value)
+
+
+def config_keys(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[ConfigKey]:
+    """Every leaf key of `model` (sections flattened to dotted paths), in declaration order."""
+    keys: list[ConfigKey] = []
+    for name, field in model.model_fields.items():
+        section = _section(field.annotation)
+        if section is not None:
+            keys += config_keys(section, f"{prefix}{name}.")
+            continue
+        keys.append(ConfigKey(f"{prefix}{name}", _type_name(field.annotation),
+                              _toml_value(field.get_default(call_default_factory=True)), field.description or ""))
+    return keys
+
+
+def _known_paths(model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    """Every key and section path of `model`: what an unknown key is compared with."""
+    paths: list[str] = []
+    for name, field in model.model_fields.items():
+        paths.append(prefix + name)
+        section = _section(field.annotation)
+        if section is not None:
+            paths += _known_paths(section, f"{prefix}{name}.")
+    return paths
+
+
+def _check_override_key(keys: list[str], text: str) -> None:
+    """Raise TrainConfigError unless the dotted key of override `text` is a key of TrainConfig."""
+    model: type[BaseModel] = TrainConfig
+    for depth, key in enumerate(keys):
+        field = model.model_fields.get(key)
+        if field is None:
+            raise _unknown_key_error(".".join(keys), f" (override {text})")
+        section = _section(field.annotation)
+        if section is None and depth < len(keys) - 1:
+            raise TrainConfigError(f"override {text!r}: {'.'.join(keys[:depth + 1])} is a value, not a section",
+                                   fix=LIST_KEYS_HINT)
+        model = section or model
+
+
+def _unknown_keys(data: dict, model: type[BaseModel] = TrainConfig, prefix: str = "") -> list[str]:
+    unknown: list[str] = []
+    for name, value in data.items():
+        field = model.model_fields.get(name)
+        if field is None:
+            unknown.append(prefix + str(name))
+            continue
+        section = _section(field.annotation)
+        if section is not None and isinstance(value, dict):
+            unknown += _unknown_keys(value, section, f"{prefix}{name}.")
+    return unknown
+
+
+def _unknown_key_error(key: str, where: str) -> TrainConfigError:
+    close = difflib.get_close_matches(key, _known_paths(), n=1, cutoff=0.6)
+    guess = f"; did you mean {close[0]}?" if close else ""
+    return TrainConfigError(f"unknown key {key}{where}{guess}", fix=LIST_KEYS_HINT)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` → (["a", "b"], value), the value read as a TOML value (a bare word is a string)."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise TrainConfigError(f"override {text!r} is not KEY=VALUE (e.g. optim.lr=1e-4)")
+        raise TrainConfigError(f"override {text!r} is not KEY=VALUE", fix="write it as e.g. optim.lr=1e-4")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -174,26 +275,77 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def resolve(path: Path | str | None, overrides: list[str] = (), base: dict | None = None) -> TrainConfig:
-    """The config from `base` (a saved config.json's dict), else the TOML file, with overrides applied."""
+    """The config from `base` (a saved config.json's dict), else the TOML file, with overrides applied.
+
+    An unknown key (in the file or an override) raises TrainConfigError naming the closest known
+    key; a bad value names the key, the value and the type it should have."""
     data: dict = dict(base or {})
     if base is None and path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())
         except OSError as exc:
-            raise TrainConfigError(f"cannot read {path}: {exc.strerror}") from None
+            raise TrainConfigError(f"cannot read {path}: {exc.strerror}",
+                                   fix="pass a TOML file such as configs/train-lookup.toml, or only KEY=VALUE "
+                                       "overrides") from None
         except tomllib.TOMLDecodeError as exc:
             raise TrainConfigError(f"{path} is not valid TOML: {exc}") from None
+        for key in _unknown_keys(data):
+            raise _unknown_key_error(key, f" in {path}")
     for text in overrides:
         keys, value = parse_override(text)
+        _check_override_key(keys, text)
         node = data
         for key in keys[:-1]:
             child = node.setdefault(key, {})
             if not isinstance(child, dict):
-                raise TrainConfigError(f"override {text!r}: {key} is a value, not a section")
+                raise TrainConfigError(f"override {text!r}: {key} is a value, not a section", fix=LIST_KEYS_HINT)
             node = child
         node[keys[-1]] = value
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [f"  {'.'.join(map(str, e['loc'])) or '(top)'}: {e['msg']}" for e in exc.errors()]
-        raise TrainConfigError("bad training config:\n" + "\n".join(lines)) from None
+        problems = []
+        for error in exc.errors():
+            where = ".".join(map(str, error["loc"]))
+            if not where:
+                problems.append(error["msg"].removeprefix("Value error, "))
+                continue
+            problems.append(f"bad value for {where} ({json.dumps(error['input'], default=str)}): {error['msg']}")
+        raise TrainConfigError("; ".join(problems), fix=LIST_KEYS_HINT) from None
+
+
+def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> None:
+    """Check what `config` names before anything is made: the model directory, the suite and its
+    splits, the precisions, and without `local` the exchange's URL and token. Raises
+    TrainConfigError."""
+    from ..engines.precision import Precision
+    from ..tasks.suites import UnknownSuite, check_suite
+
+    model = Path(config.model.path)
+    if not (model / "config.json").is_file():
+        raise TrainConfigError(f"model.path {model}: no Hugging Face model directory there (no config.json)",
+                               fix="run from the repository root, or set model.path=DIR")
+    try:
+        check_suite(config.rollout.suite, "train")
+        check_suite(config.rollout.suite, "heldout")
+    except UnknownSuite as exc:
+        raise TrainConfigError(f"rollout.suite: {exc}", fix="`rollmarket suites ls` lists the suites") from None
+    known = [p.value for p in Precision]
+    for key, names in (("rollout.precisions", config.rollout.precisions),
+                       ("local.workers", config.local.workers if local else [])):
+        bad = [p for p in names if p not in known]
+        if bad or (key == "rollout.precisions" and not names):
+            raise TrainConfigError(f"{key}: unknown precision(s) {bad}" if bad else f"{key} is empty",
+                                   fix=f"choose from {', '.join(known)}")
+    if local:
+        missing = [p for p in config.rollout.precisions if p not in config.local.workers]
+        if missing:
+            raise TrainConfigError(f"rollout.precisions {missing} have no worker in local.workers "
+                                   f"{config.local.workers}: their jobs would never run",
+                                   fix="add them to local.workers or drop them from rollout.precisions")
+        return
+    if not config.exchange.url:
+        raise TrainConfigError("exchange.url is not set", fix="pass exchange.url=http://HOST:PORT or --local")
+    if not (token or os.environ.get(config.exchange.token_env)):
+        raise TrainConfigError(f"${config.exchange.token_env} is not set",
+                               fix="export it with the exchange's trainer token, or pass --local")

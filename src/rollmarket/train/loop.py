@@ -50,7 +50,7 @@ from ..runs import code_version, new_run_dir, write_json
 from ..tasks.suites import load_suite
 from .advantages import compute_advantages
 from .batch import Datum
-from .config import TrainConfig, TrainConfigError, resolve
+from .config import TrainConfig, TrainConfigError, resolve, validate
 
 CORRECT_REWARD = 1.0
 """A run counts as correct when its reward reaches this (the verifiers' pass value)."""
@@ -264,6 +264,7 @@ class Trainer:
         from .learner import Learner, read_state
 
         cfg = self.config
+        validate(cfg, local=self.local, token=self.token)  # before the run directory exists
         run_dir = self._run_dir()
         self.run_dir = run_dir
         self.run_id = run_dir.name

@@ -12,14 +12,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..worker.runner import WorkerSettings
-from .options import settings_options
+from .options import ModelDir, Refused, settings_options
 
 console = Console(stderr=True)
 
 
 def _load_tasks(spec: str):
     """A JSONL file of TaskSpec lines, or a shipped suite as NAME or NAME:SPLIT."""
-    from ..tasks.suites import TaskFileError, load_suite, load_tasks, suite_names
+    from ..tasks.suites import TaskFileError, load_suite, load_tasks, parse_suite_spec, suite_names
 
     path = Path(spec)
     if path.exists():
@@ -27,11 +27,11 @@ def _load_tasks(spec: str):
             return load_tasks(path)
         except TaskFileError as exc:
             raise click.BadParameter(str(exc), param_hint="--tasks") from None
-    name, _, split = spec.partition(":")
+    name = spec.partition(":")[0]
     if name in suite_names():
-        return load_suite(name, split or "heldout")
-    raise click.BadParameter(f"{spec!r} is neither a file nor a suite ({', '.join(suite_names())})",
-                             param_hint="--tasks")
+        return load_suite(*parse_suite_spec(spec))
+    raise Refused(f"{spec!r} is neither a file nor a suite", f"the suites are {', '.join(suite_names())} "
+                  "(NAME or NAME:SPLIT); `rollmarket suites ls` describes them", param_hint="--tasks")
 
 
 def _check_tasks(tasks) -> None:
@@ -78,7 +78,7 @@ def collect_command(tasks_spec, model_url, model_name, api_key, repeats, concurr
 
     Resumable: rerunning the same command skips runs already in OUT. Then `rollmarket profile OUT`.
     """
-    from ..agents import Agent, AgentSettings, ChatModel, LocalToolbox, ModelCallError, RemoteToolbox, Sampling
+    from ..agents import Agent, AgentSettings, ChatModel, LocalToolbox, RemoteToolbox, Sampling
     from ..agents.collect import collect
     from ..runs import code_version, new_run_dir, write_json
 
@@ -86,10 +86,7 @@ def collect_command(tasks_spec, model_url, model_name, api_key, repeats, concurr
     _check_tasks(tasks)
     failures = failures or out.with_name(out.name.removesuffix(".jsonl") + ".failures.jsonl")
     model = ChatModel(model_url, model_name, api_key=api_key, extensions=extensions)
-    try:
-        name = model.model
-    except ModelCallError as exc:
-        raise click.ClickException(str(exc)) from None
+    name = model.model  # a server that does not answer is a ModelCallError: one line, before the run dir
     if resources_url:
         from ..verifiers.client import ResourcesClient
 
@@ -137,7 +134,7 @@ def collect_command(tasks_spec, model_url, model_name, api_key, repeats, concurr
 
 
 @click.command("worker")
-@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False), default=None,
+@click.option("--model", "model_path", type=ModelDir(), default=None,
               help="Model directory to load and serve on loopback (embedded engine).")
 @click.option("--model-url", default=None, help="Or: an OpenAI-compatible server to sample from.")
 @click.option("--model-dir", type=click.Path(exists=True, file_okay=False), default=None,

@@ -32,10 +32,14 @@ def dashboard(runs_dir: Path, host: str, port: int, static_dir: Path | None, log
                       f"to [bold]{static_dir}[/]; open {(static_dir / 'index.html').resolve().as_uri()}",
                       highlight=False)
         return
+    from ..localhost import claim_port
+
+    sock = claim_port(host, port)
     import uvicorn
 
     from ..dashboard import create_dashboard_app
 
     app = create_dashboard_app(runs_dir)
     console.print(f"[bold]rollmarket dashboard[/] for {runs_dir} on http://{host}:{port}/", highlight=False)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)).run(
+        sockets=[sock])

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .options import ModelDir
+
 console = Console()
 
 
@@ -82,10 +84,11 @@ def _print_report(report: dict) -> None:
 
 
 @models.command("info")
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("path", type=ModelDir())
 @click.option("--json", "as_json", is_flag=True, help="Print build_report.json as is.")
-def info_command(path: Path, as_json: bool) -> None:
+def info_command(path: str, as_json: bool) -> None:
     """Show a model directory's architecture, size and build report."""
+    path = Path(path)
     report_path = path / "build_report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     if as_json:

@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .options import ModelDir
+
 console = Console(stderr=True)
 
 
@@ -68,7 +70,7 @@ def print_matrix(matrix, out: Console = console) -> None:
 
 
 @click.command("observe")
-@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+@click.option("--model", required=True, type=ModelDir(),
               help="Model directory (e.g. models/tiny-moe, or any Hugging Face model on a GPU).")
 @click.option("--suite", default="agent", show_default=True, help="Task suite the agent runs.")
 @click.option("--split", default="heldout", show_default=True)
@@ -100,6 +102,9 @@ def observe(model, suite, split, rollout_engines, trainer_engines, n, lengths, l
     """Sample agent runs on each rollout engine, teacher-force the same token ids on each trainer
     engine, and write per-trajectory reports, the matrix with bootstrap intervals, length scaling
     and agent divergence to runs/<stamp>-<id>/. Then: rollmarket dashboard --runs RUNS_DIR."""
+    from ..tasks.suites import check_suite
+
+    check_suite(suite, split)
     from ..observatory.runner import ObserveSettings, run_observatory
     from ..runs import new_run_dir
 

@@ -42,7 +42,7 @@ def settings_options(model: type[BaseModel], *, prefix: str = "", skip: tuple[st
             command = click.option(
                 flag, prefix + name, type=_click_type(annotation),
                 default=None if default is None else default,
-                show_default=not field.repr is False and default not in (None, ""),
+                show_default=field.repr is not False and default not in (None, ""),
                 envvar=envvars.get(name), show_envvar=name in envvars, help=help_text,
             )(command)
         return command
@@ -53,3 +53,48 @@ def settings_options(model: type[BaseModel], *, prefix: str = "", skip: tuple[st
 def pick(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """The values of options made with `prefix`, keyed by field name."""
     return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix) and v is not None}
+
+
+class Refused(click.BadParameter):
+    """A bad value with a better fix than "see --help" (the error boundary prints `fix`)."""
+
+    def __init__(self, message: str, fix: str, param_hint: str | None = None):
+        super().__init__(message, param_hint=param_hint)
+        self.fix = fix
+
+
+MODEL_DIR_FIX = "pass a Hugging Face model directory such as models/tiny-moe (run from the repository root)"
+
+
+class ModelDir(click.ParamType):
+    """A Hugging Face model directory (one with config.json), checked before anything loads.
+    With `none_word`, that word (any case) passes as None."""
+
+    name = "directory"
+
+    def __init__(self, none_word: str | None = None):
+        self.none_word = none_word
+
+    def convert(self, value, param, ctx):
+        if value is None or (self.none_word and str(value).lower() == self.none_word):
+            return None
+        path = Path(value)
+        if not path.is_dir():
+            raise Refused(f"{value}: no such directory", MODEL_DIR_FIX, param_hint=_hint(param, ctx))
+        if not (path / "config.json").is_file():
+            raise Refused(f"{value} is not a Hugging Face model directory (no config.json)", MODEL_DIR_FIX,
+                          param_hint=_hint(param, ctx))
+        return str(value)
+
+
+def _hint(param, ctx) -> str | None:
+    return param.get_error_hint(ctx) if param is not None and ctx is not None else None
+
+
+def precision_list(value: str, option: str, allowed: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8")) -> list[str]:
+    """'bf16,fp8' → ['bf16', 'fp8']; an unknown precision is a usage error naming the choices."""
+    chosen = [p.strip() for p in value.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in allowed]
+    if unknown:
+        raise Refused(f"unknown precision(s) {unknown}", f"choose from {', '.join(allowed)}", param_hint=option)
+    return chosen

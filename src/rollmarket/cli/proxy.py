@@ -23,9 +23,11 @@ console = Console()
 @click.option("--access-log/--no-access-log", default=False, show_default=True, help="Log every request.")
 def proxy(log_level: str, access_log: bool, **values) -> None:
     """Forward OpenAI-compatible calls to an upstream server and record token ids, logprobs and experts."""
+    from ..localhost import check_port
     from ..proxy.server import serve
 
     settings = ProxySettings(**{k: v for k, v in values.items() if v is not None})
+    check_port(settings.host, settings.port)
     console.print(f"[bold]rollmarket proxy[/] {__version__} on http://{settings.host}:{settings.port}/v1 "
                   f"-> {settings.upstream}/v1; captures in {settings.store}"
                   f" ({'extras kept' if settings.keep_extras else 'extras stripped'})", highlight=False)

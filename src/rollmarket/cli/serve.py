@@ -6,13 +6,13 @@ import click
 from rich.console import Console
 
 from ..serve.settings import ServeSettings
-from .options import settings_options
+from .options import ModelDir, precision_list, settings_options
 
 console = Console(stderr=True)
 
 
 @click.command("serve-model")
-@click.argument("model_path", type=click.Path(exists=True, file_okay=False))
+@click.argument("model_path", type=ModelDir())
 @settings_options(ServeSettings, skip=("model_path",))
 @click.option("--log-level", default="warning", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
@@ -22,21 +22,22 @@ def serve_model(model_path: str, log_level: str, **values) -> None:
     /v1/models, /v1/chat/completions and /v1/completions, streaming or not, with logprobs,
     token ids (return_token_ids) and routed experts (return_routed_experts) as vLLM returns them.
     """
-    import uvicorn
-
-    from ..engines import ModelLoadError, RolloutEngine
-    from ..serve import create_serve_app
+    from ..localhost import claim_port
 
     settings = ServeSettings(model_path=model_path, **{k: v for k, v in values.items() if v is not None})
+    precision_list(settings.precision, "--precision")
+    sock = claim_port(settings.host, settings.port)  # a taken port fails now, not after loading the model
+    import uvicorn
+
+    from ..engines import RolloutEngine
+    from ..serve import create_serve_app
+
     if settings.threads:
         import torch
 
         torch.set_num_threads(settings.threads)
     with console.status(f"loading {model_path} at {settings.precision}"):
-        try:
-            engine = RolloutEngine.from_path(model_path, settings.precision, settings.device)
-        except (ModelLoadError, ValueError) as exc:
-            raise click.ClickException(str(exc)) from None
+        engine = RolloutEngine.from_path(model_path, settings.precision, settings.device)
     info = engine.info
     name = settings.served_model_name or info.name
     kind = f"MoE {info.num_moe_layers} layers x {info.num_experts} experts, top-{info.top_k}" if info.is_moe else "dense"
@@ -44,4 +45,5 @@ def serve_model(model_path: str, log_level: str, **values) -> None:
                   f"{engine.precision.value} on {engine.loaded.device}")
     console.print(f"OpenAI API on http://{settings.host}:{settings.port}/v1  (model={name!r})")
     app = create_serve_app(engine, settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])

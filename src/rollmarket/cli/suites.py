@@ -51,7 +51,7 @@ def suites_ls(as_json: bool) -> None:
 
 
 @suites.command("show")
-@click.argument("name", type=click.Choice(S.suite_names()))
+@click.argument("name", type=click.Choice(S.suite_names()), metavar="NAME")
 @_split
 @click.option("--n", "count", default=3, show_default=True, help="How many tasks (from the top of the file).")
 @click.option("--kind", default=None, help="Only tasks of this kind (e.g. python_eval, chain5, read_file).")
@@ -95,7 +95,7 @@ def suites_build(out_dir: Path | None, check: bool) -> None:
 
 
 @suites.command("export")
-@click.argument("name", type=click.Choice(S.suite_names()))
+@click.argument("name", type=click.Choice(S.suite_names()), metavar="NAME")
 @click.option("--split", type=click.Choice(S.SPLITS), required=True)
 @click.option("--out", "out_file", type=click.Path(path_type=Path), required=True, help="JSONL file to write.")
 @click.option("--n", "count", default=None, type=int, help="Only the first N tasks [default: all].")

@@ -48,8 +48,9 @@ def accuracy_line(summary: dict) -> str | None:
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="Continue a run from its newest checkpoint (its saved config; OVERRIDES still apply).")
 @click.option("--print-config", is_flag=True, help="Print the resolved config as JSON and exit.")
+@click.option("--list-keys", is_flag=True, help="Print every config key with its type, default and help, and exit.")
 def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, resume: Path | None,
-                  print_config: bool) -> None:
+                  print_config: bool, list_keys: bool) -> None:
     """Train a policy through the exchange (GRPO family): CONFIG.toml plus KEY=VALUE overrides.
 
     \b
@@ -57,19 +58,28 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
       rollmarket train configs/train-lookup.toml optim.lr=1e-4 loop.steps=40 --local
       rollmarket train cfg.toml exchange.url=http://127.0.0.1:8470   # workers run elsewhere
       rollmarket train --resume runs/20261126T101500Z-ab12cd --local
+      rollmarket train --list-keys
     """
-    from ..train.config import TrainConfigError, resolve
-    from ..train.loop import Trainer, TrainingError, resume_config
+    from ..train.config import TrainConfigError, config_keys, resolve, validate
+
+    if list_keys:
+        keys = config_keys()
+        width = max(len(k.key) for k in keys)
+        for k in keys:
+            click.echo(f"{k.key:<{width}}  {k.type} = {k.default}  {k.help}".rstrip())
+        return
+    from ..train.loop import Trainer, resume_config
 
     if config is not None and "=" in str(config) and not config.exists():
         overrides, config = (str(config), *overrides), None  # only overrides were given
-    try:
-        cfg = resume_config(resume, list(overrides)) if resume else resolve(config, list(overrides))
-    except TrainConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+    if resume and not (resume / "config.json").is_file():
+        raise TrainConfigError(f"{resume} is not a training run directory (no config.json)",
+                               fix="pass a directory that `rollmarket train` made under runs/")
+    cfg = resume_config(resume, list(overrides)) if resume else resolve(config, list(overrides))
     if print_config:
         click.echo(cfg.model_dump_json(indent=2))
         return
+    validate(cfg, local=local)  # before the run directory is made
 
     def on_event(kind: str, data: dict) -> None:
         if kind == "setup":
@@ -83,11 +93,8 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
 
     trainer = Trainer(cfg, local=local, resume=resume, on_step=lambda row: console.print(step_line(row), highlight=False),
                       on_event=on_event)
-    try:
-        with console.status("training…", spinner="dots"):
-            run_dir = trainer.run()
-    except (TrainingError, TrainConfigError) as exc:
-        raise click.ClickException(str(exc)) from None
+    with console.status("training…", spinner="dots"):
+        run_dir = trainer.run()
     summary = json.loads((run_dir / "summary.json").read_text())
     if line := accuracy_line(summary):
         console.print(line, highlight=False)

@@ -32,7 +32,10 @@ def verifier_serve(log_level: str, access_log: bool, **values) -> None:
     from ..verifiers.server import serve
     from ..verifiers.verifier import VERIFIERS
 
+    from ..localhost import check_port
+
     settings = ResourcesSettings(**{k: v for k, v in values.items() if v is not None})
+    check_port(settings.host, settings.port)
     console.print(f"[bold]rollmarket verifier[/] {__version__} on http://{settings.host}:{settings.port} "
                   f"(verifiers: {', '.join(sorted(VERIFIERS))}; sessions idle {settings.session_ttl_s:g}s, "
                   f"at most {settings.max_sessions})", highlight=False)

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test venv venv-test browser bench models schema clean
+.PHONY: demo test lint venv venv-test browser curl bench models schema clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,16 @@ browser:
 	@test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
-test: venv-test browser
+# The README's first quickstart waits for its servers with curl; a test runs it as pasted.
+curl:
+	@test -x /usr/bin/curl || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y curl; }
+
+test: venv-test browser curl lint
 	$(BIN)/python -m pytest
+
+lint: venv-test
+	$(BIN)/ruff check src tests
 
 bench: venv-test
 	$(BIN)/python benchmarks/exchange_throughput.py

@@ -200,6 +200,8 @@ def test_services_that_need_no_model_run_without_torch_mapped(tmp_path, service)
     (["demo", "--model", "models/no-such-model", "--runs-dir", "{tmp}/runs"], 2, ["models/no-such-model"]),
     (["demo", "paths", "--model", "none", "--suite", "agnt", "--runs-dir", "{tmp}/runs"], 2, ["unknown suite"]),
     (["models", "info", "models"], 2, ["no config.json"]),
+    (["profile", "{tmp}/no-such-rollouts.jsonl"], 2, ["no-such-rollouts.jsonl", "does not exist"]),
+    (["schema", "--out", "/dev/null/schemas"], 1, ["/dev/null/schemas", "Not a directory"]),
     (["suites", "show", "agnt"], 2, ["'agnt'", "rollmarket suites show --help"]),
     (["trian"], 2, ["did you mean 'train'"]),
     (["train", "loop.stepz=3"], 2, ["unknown key loop.stepz", "did you mean loop.steps?",

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test venv venv-test browser bench models schema clean
+.PHONY: demo test venv venv-test browser sandbox bench models schema clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,13 @@ browser:
 	@test -x /usr/bin/chromium || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
-test: venv-test browser
+# python_eval runs the model's code inside bubblewrap (docs/security.md); without it python_eval
+# refuses every call.
+sandbox:
+	@command -v bwrap >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y bubblewrap; }
+
+test: venv-test browser sandbox
 	$(BIN)/python -m pytest
 
 bench: venv-test

@@ -328,11 +328,13 @@ def test_writes_relative_to_directory_descriptors(judges, audit_hook):
             except OSError:
                 continue
             name = MARKER + "_" + str(fd)
-            attempt("create in " + target, lambda: os.close(os.open(name + ".py", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)))
+            attempt("create in " + target,
+                    lambda: os.close(os.open(name + ".py", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)))
             attempt("mkdir in " + target, lambda: os.mkdir(name + "_dir", dir_fd=fd))
             attempt("symlink in " + target, lambda: os.symlink("/task", name + "_link", dir_fd=fd))
             attempt("mkfifo in " + target, lambda: os.mkfifo(name + "_fifo", dir_fd=fd))
-            attempt("mknod in " + target, lambda: os.mknod(name + "_null", 0o666 | stat.S_IFCHR, os.makedev(1, 3), dir_fd=fd))
+            attempt("mknod in " + target,
+                    lambda: os.mknod(name + "_null", 0o666 | stat.S_IFCHR, os.makedev(1, 3), dir_fd=fd))
             attempt("rename into " + target, lambda: os.rename("/task/x", name + "_moved", dst_dir_fd=fd))
         """
     with task_workspace({"x": "x"}) as context:
@@ -536,7 +538,9 @@ def test_the_network_is_unreachable(judges, audit_hook):
     code = """
         import socket
         attempt("tcp to the test", lambda: socket.create_connection(("127.0.0.1", TCP_PORT), timeout=2))
-        attempt("udp to the test", lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", UDP_PORT)))
+        def udp():
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", UDP_PORT))
+        attempt("udp to the test", udp)
         def unix(address):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(2)
@@ -688,7 +692,8 @@ def test_the_task_directory_is_bounded(judges):
 
 FAKE_BWRAP = """#!/bin/sh
 echo called >> "{log}"
-echo "bwrap: No permissions to create new namespace, likely because the kernel does not allow non-privileged user namespaces." >&2
+echo "bwrap: No permissions to create new namespace, likely because the kernel does not allow \
+non-privileged user namespaces." >&2
 exit 1
 """
 
@@ -706,7 +711,8 @@ def test_without_bubblewrap_every_call_is_refused_and_says_how_to_fix_it(tmp_pat
     for _ in range(3):
         result = refused({"code": "print(1)"})
         assert result.outcome is ToolOutcome.unavailable, result.content
-        assert "No permissions to create new namespace" in result.content and "ROLLMARKET_UNSAFE_PYTHON_EVAL" in result.content
+        assert "No permissions to create new namespace" in result.content
+        assert "ROLLMARKET_UNSAFE_PYTHON_EVAL" in result.content
     assert len(log.read_text().splitlines()) == 1, "the probe runs once per process"
     assert not Path(f"/tmp/{PREFIX}_unavailable").exists()
 

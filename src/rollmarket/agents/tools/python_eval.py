@@ -24,8 +24,10 @@ limits and the measured cost per call.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -134,8 +136,10 @@ def _probe(bwrap: str) -> Bubblewrap | str:
         return str(exc)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"looking for the sandbox's files failed: {exc}"
+    if box.drop_root != (os.geteuid() == 0):
+        return "the sandbox's set-up was made for another user"
     limits = SandboxLimits(timeout_s=60, audit_hook=False, bwrap=bwrap)
-    done = _run_bubblewrap(box, limits, probe_code(host_namespaces()), None)
+    done = _run_bubblewrap(box, limits, probe_code(host_namespaces(), user_namespace=not box.drop_root), None)
     printed = done.stdout.decode("utf-8", "replace").strip()
     if done.timed_out:
         return "the sandbox did not start within 60 s"
@@ -295,6 +299,7 @@ def _settings(limits: SandboxLimits, *, uid: int, gid: int, files_fd: int) -> st
 def _run_bubblewrap(box: Bubblewrap, limits: SandboxLimits, code: str, files: bytes | None) -> _Finished:
     """Run `code` in a fresh sandbox whose task directory gets `files` (pack_task_files' bytes)."""
     env = {"PATH": "/usr/bin:/bin", "HOME": TASK_DIR, "TMPDIR": TASK_DIR, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    deadline = time.monotonic() + limits.timeout_s
     files_fd = -1
     if files is not None:
         # A memfd: the files reach the child without touching the host's disk or its permissions.
@@ -303,25 +308,52 @@ def _run_bubblewrap(box: Bubblewrap, limits: SandboxLimits, code: str, files: by
         while view:
             view = view[os.write(files_fd, view):]
         os.lseek(files_fd, 0, os.SEEK_SET)
+    info_read, info_write = os.pipe()
     uid, gid = (SANDBOX_UID, SANDBOX_GID) if box.drop_root else (-1, -1)
-    argv = [*box.argv(limits.disk_bytes, env), "-I", "-S", "-B", "-c", child.BOOTSTRAP, _child_source(),
+    argv = [*box.argv(limits.disk_bytes, env, info_write), "-I", "-S", "-B", "-c", child.BOOTSTRAP, _child_source(),
             _settings(limits, uid=uid, gid=gid, files_fd=files_fd), code]
     try:
         proc = subprocess.Popen(argv, env={}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, close_fds=True, pass_fds=(files_fd,) if files_fd >= 0 else (),
+                                stderr=subprocess.PIPE, close_fds=True,
+                                pass_fds=(info_write, files_fd) if files_fd >= 0 else (info_write,),
                                 start_new_session=True)
     finally:
-        if files_fd >= 0:
-            os.close(files_fd)
+        for fd in (info_write, files_fd):
+            if fd >= 0:
+                os.close(fd)  # the child holds its own copies
+    init = None
     try:
-        done = _collect(proc, time.monotonic() + limits.timeout_s, limits.output_bytes)
+        init = _sandbox_init(proc.pid, info_read, deadline)
+        done = _collect(proc, deadline, limits.output_bytes)
     finally:
-        _end_sandbox(proc)
+        os.close(info_read)
+        _end_sandbox(proc, init)
         proc.stdout.close()
         proc.stderr.close()
     if done.returncode is not None and done.returncode > 128:
         done.returncode = 128 - done.returncode  # bwrap reports a child killed by signal N as 128 + N
     return done
+
+
+def _sandbox_init(bwrap_pid: int, info_read: int, deadline: float) -> int | None:
+    """A pidfd of the sandbox's init process (the pid bwrap writes to --info-fd), or None when bwrap
+    started none. Taken before the code can end, so the pid cannot have been reused."""
+    chunks = []
+    while time.monotonic() < deadline:
+        if select.select([info_read], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(info_read, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    try:
+        pid = int(json.loads(b"".join(chunks))["child-pid"])
+        pidfd = os.pidfd_open(pid)
+    except (ValueError, KeyError, TypeError, ProcessLookupError):
+        return None
+    if _parent_of(pid) != bwrap_pid:  # gone and reused between the write and the open: not ours
+        os.close(pidfd)
+        return None
+    return pidfd
 
 
 def _collect(proc: subprocess.Popen, deadline: float, output_bytes: int) -> _Finished:
@@ -377,26 +409,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
             pass
 
 
-def _end_sandbox(proc: subprocess.Popen) -> None:
-    """Make sure nothing of the sandbox is left, then reap bwrap. When the code is still running
-    (timeout, too much output, an error here), SIGKILL the init process of the sandbox's PID
-    namespace: the kernel then kills every process in it, and bwrap exits once they are all gone."""
-    if _exit_status(proc.pid) is None:
-        inits = _children_of(proc.pid)
-        for pid in inits:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue
-            try:
-                if _parent_of(pid) == proc.pid:  # still bwrap's child, not a reused pid
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            finally:
-                os.close(pidfd)
-        if not inits:
-            _kill_group(proc)
+def _end_sandbox(proc: subprocess.Popen, init: int | None) -> None:
+    """Make sure nothing of the sandbox is left, then reap bwrap.
+
+    When the code is still running (timeout, too much output, an error here), SIGKILL the init
+    process of the sandbox's PID namespace: the kernel then kills every process in it. Either way,
+    wait until that init process has exited, which it does only once every process of its
+    namespace is gone (bwrap itself may exit a moment before it)."""
+    running = _exit_status(proc.pid) is None
+    if init is not None:
+        try:
+            if running:
+                signal.pidfd_send_signal(init, signal.SIGKILL)
+            select.select([init], [], [], KILL_WAIT_S)  # readable once the process has exited
+        except ProcessLookupError:
+            pass
+        finally:
+            os.close(init)
+    elif running:
+        _kill_group(proc)
     try:
         proc.wait(KILL_WAIT_S)
     except subprocess.TimeoutExpired:
@@ -410,8 +441,3 @@ def _parent_of(pid: int) -> int | None:
             return int(stat_file.read().rpartition(b")")[2].split()[1])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _children_of(parent: int) -> list[int]:
-    """Pids whose parent is `parent` (a scan of /proc: this kernel may lack /proc/<pid>/task/*/children)."""
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _parent_of(int(entry)) == parent]

@@ -69,10 +69,12 @@ class Bubblewrap:
         found = {str(parent) for path in self.read_only for parent in Path(path).parents if str(parent) != "/"}
         return sorted(found - set(self.read_only), key=lambda p: (p.count("/"), p))
 
-    def argv(self, disk_bytes: int, env: dict[str, str]) -> list[str]:
-        """The bwrap command line up to (and including) the interpreter path."""
+    def argv(self, disk_bytes: int, env: dict[str, str], info_fd: int) -> list[str]:
+        """The bwrap command line up to (and including) the interpreter path. bwrap writes the host
+        pid of the sandbox's init process to `info_fd` (JSON, `child-pid`) before the code starts."""
         argv = [self.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-                "--unshare-cgroup-try", "--new-session", "--die-with-parent", "--cap-drop", "ALL"]
+                "--unshare-cgroup-try", "--new-session", "--die-with-parent", "--cap-drop", "ALL",
+                "--info-fd", str(info_fd)]
         if self.drop_root:
             argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
@@ -158,20 +160,25 @@ def host_namespaces() -> dict[str, int]:
     return {name: os.stat(f"/proc/self/ns/{name}").st_ino for name in ("net", "pid", "mnt", "ipc", "uts")}
 
 
-def probe_code(namespaces: dict[str, int]) -> str:
+def probe_code(namespaces: dict[str, int], user_namespace: bool) -> str:
     """A program that, run inside the sandbox without the audit hook, prints 'ok' when the kernel
-    isolation really holds there, else 'failed: <what>'. The parent compares from outside too."""
+    isolation really holds there, else 'failed: <what>'.
+
+    Whether uid 65534 inside is unprivileged on the host: without a user namespace (the root
+    set-up) the uid map is the identity, so 65534 is the host's 65534; inside a user namespace
+    (`user_namespace`, set up by bwrap for a caller that is not root) the map leads to the caller's
+    own uid, the only one an unprivileged process can map, and the caller checks it is not root.
+    """
     return f"""
-import errno, os
+import os
 problems = []
 if os.getresuid() != ({SANDBOX_UID},) * 3 or os.getresgid() != ({SANDBOX_GID},) * 3:
     problems.append(f"uid/gid are {{os.getresuid()}}/{{os.getresgid()}}")
 if set(os.getgroups()) - {{{SANDBOX_GID}}}:
     problems.append(f"supplementary groups {{os.getgroups()}}")
-for line in open("/proc/self/uid_map"):
-    inside, outside, count = (int(x) for x in line.split())
-    if inside <= {SANDBOX_UID} < inside + count and outside + {SANDBOX_UID} - inside == 0:
-        problems.append("the sandbox uid is root on the host")
+identity = [line.split() for line in open("/proc/self/uid_map")] == [["0", "0", "4294967295"]]
+if identity == {user_namespace!r}:
+    problems.append("expected " + ("a" if {user_namespace!r} else "no") + " user namespace")
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 for field in ("CapPrm", "CapEff", "CapAmb"):
     if int(status[field], 16):

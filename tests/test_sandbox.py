@@ -150,6 +150,18 @@ def processes_of_uid(uid: int) -> set[int]:
     return {int(e) for e in os.listdir("/proc") if e.isdigit() and _status(e).get("Uid", "").split()[:1] == [str(uid)]}
 
 
+def descends_from(pid: int, ancestors: set[int]) -> bool:
+    """Whether `pid`'s chain of parents reaches one of `ancestors`."""
+    for _ in range(64):
+        parent = int(_status(str(pid)).get("PPid", "0") or 0)
+        if parent in ancestors:
+            return True
+        if parent <= 1:
+            return False
+        pid = parent
+    return False
+
+
 @dataclass
 class Judges:
     canary: Path
@@ -196,11 +208,12 @@ class Judges:
         """Run `code` (after the prelude) in python_eval and judge everything from outside."""
         marker = self.next_marker()
         tool = PythonEval(SandboxLimits(timeout_s=timeout_s, audit_hook=audit_hook))
+        before = processes_of_uid(SANDBOX_UID)
         result = tool({"code": self.prelude(marker) + textwrap.dedent(code)}, context)
-        self.check(marker, result.content)
+        self.check(marker, result.content, before)
         return result
 
-    def check(self, marker: str, output: str = "") -> None:
+    def check(self, marker: str, output: str = "", before: set[int] | None = None) -> None:
         """Everything outside is as it was; `output` (what the code printed) holds no secret.
         What this call left outside is removed before the verdict, so a failure names only its own call."""
         problems = []
@@ -219,7 +232,11 @@ class Judges:
                 problems.append(f"a listener of the test saw a connection or a datagram: {listener}")
         if survivors := processes_with(marker):
             problems.append(f"processes outlived the call: {survivors}")
-        if strays := processes_of_uid(SANDBOX_UID) - {v.pid for v in self.victims}:
+        # Of the sandbox's uid, new since the call began and started by this test or its server (other
+        # test runs on a shared machine may have sandboxes of their own):
+        new = processes_of_uid(SANDBOX_UID) - {v.pid for v in self.victims} - (before or set())
+        ours, marked = {os.getpid(), self.server.proc.pid}, set(processes_with(PREFIX))
+        if strays := {pid for pid in new if pid in marked or descends_from(pid, ours)}:
             problems.append(f"processes of the sandbox's uid outlived the call: {strays}")
         if killed := [v.pid for v in self.victims if v.poll() is not None]:
             problems.append(f"victim processes were killed: {killed}")

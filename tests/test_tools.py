@@ -285,8 +285,8 @@ def test_fork_bomb_is_refused_and_leaves_nothing():
 
 
 def test_forked_children_die_with_the_call_even_without_the_audit_hook():
-    """The kernel layers alone: RLIMIT_NPROC stops the fork, or (for root, which it does not bind)
-    the PID namespace and the process-group kill take every child down when the call ends."""
+    """The kernel layers alone: RLIMIT_NPROC stops the fork (the sandbox's uid is not root), and
+    whatever ran in the sandbox's PID namespace is gone when the call ends."""
     marker = f"children-{uuid.uuid4().hex}"
     code = f"# {marker}\nimport os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        time.sleep(60)\nprint('parent')"
     result = PythonEval(SandboxLimits(timeout_s=3, audit_hook=False))({"code": code})

@@ -139,7 +139,10 @@ def _probe(bwrap: str) -> Bubblewrap | str:
     if box.drop_root != (os.geteuid() == 0):
         return "the sandbox's set-up was made for another user"
     limits = SandboxLimits(timeout_s=60, audit_hook=False, bwrap=bwrap)
-    done = _run_bubblewrap(box, limits, probe_code(host_namespaces(), user_namespace=not box.drop_root), None)
+    try:
+        done = _run_bubblewrap(box, limits, probe_code(host_namespaces(), user_namespace=not box.drop_root), None)
+    except OSError as exc:
+        return f"bubblewrap could not be started: {exc}"
     printed = done.stdout.decode("utf-8", "replace").strip()
     if done.timed_out:
         return "the sandbox did not start within 60 s"

@@ -41,6 +41,8 @@ class ToolOutcome(str, Enum):
     timeout = "timeout"
     resource_limit = "resource_limit"
     """Memory, process or output limits were hit."""
+    unavailable = "unavailable"
+    """The tool cannot run on this machine (python_eval without its sandbox); the message says how to fix it."""
 
 
 class ToolResult(Record):

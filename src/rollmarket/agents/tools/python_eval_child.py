@@ -1,17 +1,21 @@
-"""The child side of python_eval: set the limits, install the audit hook, run the model's code.
+"""The child side of python_eval: drop to the sandbox user, unpack the task's files, set the limits,
+install the audit hook, run the model's code.
 
 The parent runs this file's text, compiled under SANDBOX_FILENAME, with
-`python -I -S -B -c BOOTSTRAP <this text> <settings> <code>` in a throwaway directory. Importing the module does nothing but define names (the parent reads the EXIT_*
-constants from it); the work happens in `main`, only when the text runs as `__main__`.
+`python -I -S -B -c BOOTSTRAP <this text> <settings> <code>`, inside the bubblewrap sandbox (see
+sandbox.py) or, only when explicitly opted in, in a throwaway host directory. Importing the
+module does nothing but define names (the parent reads the EXIT_* constants from it); the work
+happens in `main`, only when the text runs as `__main__`.
 
-The audit hook (PEP 578) is the guard that works everywhere: it refuses network access,
+The audit hook (PEP 578) is the second layer, inside the interpreter: it refuses network access,
 starting processes, native code (ctypes, extension modules from outside the Python installation),
 and files outside the working directory (reading is also allowed in the Python installation,
 which imports need). Hooks cannot be removed once added. Everything the hook uses is bound as a
 default argument when it is made (C functions, frozensets, strings), so code that reaches a
 hook frame through a traceback finds nothing to rewire, and code that replaces `builtins` or
-`os` functions does not change what the hook calls. It is one layer: the rlimits and, where
-the machine allows, fresh network and PID namespaces hold even if it were bypassed.
+`os` functions does not change what the hook calls. CPython's documentation says audit hooks are
+not a sandbox, and some file-system calls carry no full path in their events (paths relative to a
+directory descriptor, mknod, mkfifo): the kernel layer is what holds when the hook is passed.
 
 Exit status tells the parent how the code ended (EXIT_*); the last line on stderr says why.
 """
@@ -25,7 +29,9 @@ EXIT_REFUSED = 82
 EXIT_MEMORY = 83
 """MemoryError: the address-space limit."""
 EXIT_FILE_SIZE = 84
-"""A write past the file-size limit (EFBIG)."""
+"""A write past the file-size limit (EFBIG) or past the sandbox's disk (ENOSPC)."""
+EXIT_SETUP = 85
+"""The sandbox could not be set up (the uid drop did not hold); the code did not run."""
 CODE_FILENAME = "<python_eval>"
 """The filename the model's code is compiled under; tracebacks' line numbers refer to it."""
 STATUS_PREFIX = "[python_eval] "
@@ -225,9 +231,37 @@ def _status(exc: BaseException) -> int:
         return EXIT_REFUSED
     if isinstance(exc, MemoryError):
         return EXIT_MEMORY
-    if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+    if isinstance(exc, OSError) and exc.errno in (errno.EFBIG, errno.ENOSPC):
         return EXIT_FILE_SIZE
     return EXIT_ERROR
+
+
+def _unpack(files_fd: int) -> None:
+    """Write the task's files, sent by the parent as a marshalled list of (relative path, kind, mode,
+    content) through `files_fd`, into the working directory (the sandbox's private tmpfs)."""
+    import marshal
+    import os
+
+    chunks = []
+    while chunk := os.read(files_fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(files_fd)
+    directories = []
+    for path, kind, mode, content in marshal.loads(b"".join(chunks)):
+        if kind == "d":
+            os.mkdir(path, 0o700)
+            directories.append((path, mode))
+        elif kind == "l":
+            os.symlink(content, path)
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fchmod(fd, mode)
+            os.close(fd)
+    for path, mode in reversed(directories):  # deepest first, so a read-only parent is set last
+        os.chmod(path, mode)
 
 
 def _describe(exc: BaseException) -> str:
@@ -251,9 +285,17 @@ def main() -> None:
     import resource
     import sys
 
-    memory, cpu_s, file_bytes, open_files, audit = (int(x) for x in sys.argv[2].split(","))
+    memory, cpu_s, file_bytes, open_files, audit, uid, gid, files_fd = (int(x) for x in sys.argv[2].split(","))
     code = sys.argv[3]
     sys.argv = [CODE_FILENAME]
+    if uid >= 0:  # in the bubblewrap sandbox as root: become the unprivileged user before anything else
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
+            os._exit(EXIT_SETUP)
+    if files_fd >= 0:
+        _unpack(files_fd)
     for limit, soft, hard in ((resource.RLIMIT_AS, memory, memory), (resource.RLIMIT_CPU, cpu_s, cpu_s + 1),
                               (resource.RLIMIT_FSIZE, file_bytes, file_bytes),
                               (resource.RLIMIT_NOFILE, open_files, open_files),

@@ -35,6 +35,8 @@ from rollmarket.contracts import ErrorBody
 DEFAULT_EXAMPLES = 12
 FUZZ_EXAMPLES = int(os.environ.get("ROLLMARKET_FUZZ_EXAMPLES", DEFAULT_EXAMPLES))
 """Examples per operation in the fuzzing phase; raise it to fuzz longer locally."""
+FUZZ_TIMEOUT_S = 900 * max(1.0, FUZZ_EXAMPLES / DEFAULT_EXAMPLES)
+"""pytest-timeout of one service's fuzz test (all its operations), grown with the examples."""
 FUZZ_SEED = int(os.environ.get("ROLLMARKET_FUZZ_SEED", "20261126"))
 UNAUTHENTICATED_EVERY = 3
 """Every this many calls, the call is repeated without a token and with a wrong one."""

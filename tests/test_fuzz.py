@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from fuzzing import Target, exchange_error, load_schema, openai_error
+from fuzzing import FUZZ_TIMEOUT_S, Target, exchange_error, load_schema, openai_error
 from helpers import (
     TRAINER_TOKEN,
     ExchangeProcess,
@@ -128,6 +128,7 @@ resources_fuzz = schemathesis.pytest.from_fixture("resources_schema")
 
 
 @resources_fuzz.parametrize()
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
 def test_fuzz_resources_server(case, resources_target):
     resources_target.exercise(case)
 
@@ -189,6 +190,7 @@ model_fuzz = schemathesis.pytest.from_fixture("model_schema")
 
 
 @model_fuzz.parametrize()
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
 def test_fuzz_model_server(case, model_target):
     model_target.exercise(case)
 
@@ -266,6 +268,7 @@ proxy_fuzz = schemathesis.pytest.from_fixture("proxy_schema")
 
 
 @proxy_fuzz.parametrize()
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
 def test_fuzz_proxy(case, proxy_target):
     proxy_target.exercise(case)
 
@@ -347,6 +350,7 @@ exchange_fuzz = schemathesis.pytest.from_fixture("exchange_schema")
 
 
 @exchange_fuzz.parametrize()
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
 def test_fuzz_exchange(case, exchange_target):
     exchange_target.exercise(case)
 

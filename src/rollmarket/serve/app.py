@@ -48,8 +48,10 @@ def _error(exc: OpenAIError) -> JSONResponse:
 def _validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return OpenAIError(f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request")),
+    where = ".".join(str(p) for p in first.get("loc", ())) or None
+    # `param` is the request's field, as OpenAI names it; the message keeps the whole path.
+    param = str(first["loc"][0]) if first.get("loc") else None
+    return OpenAIError(f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request")),
                        param=param)
 
 

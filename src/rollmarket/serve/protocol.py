@@ -21,7 +21,6 @@ MAX_PROMPTS = 256
 """Most prompts in one completions request."""
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 OPENAI_ERROR_SCHEMA: dict[str, Any] = {
     "title": "OpenAIErrorBody", "type": "object", "required": ["error"], "properties": {"error": {
@@ -58,7 +57,8 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="vLLM extension; 0 or -1 = off.")
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: str | list[StopString] | None = Field(None, max_length=MAX_STOP)
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP} stop strings of 1 to {MAX_STOP_CHARS} characters.")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -72,8 +72,11 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
-        if isinstance(value, list) and any(not s for s in value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
         return value
 
     def stop_list(self) -> tuple[str, ...]:

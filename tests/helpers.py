@@ -36,6 +36,75 @@ def sha(text: str) -> str:
 TOKENIZER = sha("tokenizer")
 
 
+class ServiceProcess:
+    """A service as a child process on a loopback port, started once `GET health` answers 200.
+
+    The one helper every test uses to run a server process: the exchange, `serve-model`, the
+    proxy, the resources server and the fake upstream. Its output goes to `log`, whose tail is
+    in the error when the process dies or never becomes healthy. `spawn` and `wait` are apart so
+    that slow starters (model servers) can load side by side.
+    """
+
+    def __init__(self, cmd: list[str], log: Path, port: int, *, health: str = "/healthz",
+                 env: dict[str, str] | None = None, cwd: Path | None = None):
+        self.cmd, self.log, self.port, self.health = cmd, log, port, health
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> "ServiceProcess":
+        if self._log_file is not None:
+            self._log_file.close()
+        self._log_file = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=self.cwd)
+        return self
+
+    def wait(self, timeout: float = 30.0) -> "ServiceProcess":
+        wait_healthy(self.url, self.proc, log=self.log, timeout=timeout, path=self.health)
+        return self
+
+    def start(self, timeout: float = 30.0) -> "ServiceProcess":
+        return self.spawn().wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def rollmarket_command(*args: str) -> list[str]:
+    """`rollmarket ARGS` run by this interpreter."""
+    return [sys.executable, "-m", "rollmarket", *args]
+
+
+def model_server(model: Path, log: Path, *, precision: str = "bf16", args: tuple[str, ...] = ()) -> ServiceProcess:
+    """`rollmarket serve-model` on a free loopback port with one torch thread (not started).
+
+    One thread: on shared CPUs a 2-thread pool collapses under contention (~30x)."""
+    port = free_port()
+    cmd = rollmarket_command("serve-model", str(model), "--precision", precision, "--device", "cpu",
+                             "--port", str(port), "--threads", "1", *args)
+    return ServiceProcess(cmd, log, port, env={"OMP_NUM_THREADS": "1"})
+
+
 @dataclass
 class ExchangeProcess:
     """`rollmarket exchange serve` as a child process on a free loopback port."""
@@ -45,6 +114,7 @@ class ExchangeProcess:
     args: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen | None = None
+    _service: ServiceProcess | None = None
 
     @property
     def url(self) -> str:
@@ -52,32 +122,24 @@ class ExchangeProcess:
 
     def start(self, timeout: float = 30.0) -> "ExchangeProcess":
         self.port = self.port or free_port()
-        cmd = [sys.executable, "-m", "rollmarket", "exchange", "serve", "--db", str(self.db),
-               "--port", str(self.port), "--trainer-token", TRAINER_TOKEN, "--log-level", "warning",
-               *self.args]
-        if getattr(self, "_log_file", None):
-            self._log_file.close()
-        self._log_file = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        wait_healthy(self.url, self.proc, log=self.log, timeout=timeout)
+        cmd = rollmarket_command("exchange", "serve", "--db", str(self.db), "--port", str(self.port),
+                                 "--trainer-token", TRAINER_TOKEN, "--log-level", "warning", *self.args)
+        if self._service is not None:
+            self._service.stop()
+        self._service = ServiceProcess(cmd, self.log, self.port)
+        self._service.spawn()
+        self.proc = self._service.proc
+        self._service.wait(timeout)
         return self
 
     def kill(self) -> None:
         """SIGKILL: no shutdown code runs."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        if self._service is not None:
+            self._service.kill()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if getattr(self, "_log_file", None):
-            self._log_file.close()
+        if self._service is not None:
+            self._service.stop(15)
 
     def trainer(self, **kwargs) -> TrainerClient:
         return TrainerClient(self.url, TRAINER_TOKEN, **kwargs)
@@ -141,15 +203,9 @@ def lease_one(client: WorkerClient, wait_s: float = 5.0) -> LeaseGrant:
 @contextmanager
 def served_model(model: Path, log: Path, *, precision: str = "bf16") -> Iterator[str]:
     """`rollmarket serve-model` on a free loopback port with one torch thread; yields its /v1 URL."""
-    port = free_port()
-    with open(log, "ab") as handle:
-        proc = subprocess.Popen([sys.executable, "-m", "rollmarket", "serve-model", str(model), "--precision",
-                                 precision, "--device", "cpu", "--port", str(port), "--threads", "1"],
-                                stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+    server = model_server(model, log, precision=precision)
     try:
-        wait_healthy(url, proc, log=log, timeout=120)
-        yield url + "/v1"
+        server.start(timeout=120)
+        yield server.url + "/v1"
     finally:
-        proc.terminate()
-        proc.wait(20)
+        server.stop()

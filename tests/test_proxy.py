@@ -23,8 +23,6 @@ Do not "fix" the linking or durability tests without a decision: they state the 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -38,7 +36,9 @@ import openai
 import pytest
 
 from rollmarket.contracts.capture import Capture, CapturedChoice, CaptureOutcome, CaptureTimings, ConversationSource
-from rollmarket.localhost import free_port, wait_healthy
+from helpers import ServiceProcess
+
+from rollmarket.localhost import free_port
 from rollmarket.proxy.augment import augment_request, strip_chunk, strip_response
 from rollmarket.proxy.capture import CallRecorder
 from rollmarket.proxy.linking import messages_hash, prefix_hash, reply_key, reply_message
@@ -55,48 +55,7 @@ TOOLS = [{"type": "function", "function": {"name": "search", "description": "Sea
 
 # -- processes ---------------------------------------------------------------------------------------
 
-class Process:
-    """A child process on a free loopback port, stopped at the end of its fixture."""
-
-    def __init__(self, cmd: list[str], log: Path, port: int, health: str = "/healthz"):
-        self.cmd, self.log, self.port, self.health = cmd, log, port, health
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> "Process":
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if self.health == "/healthz":
-            wait_healthy(self.url, self.proc, log=self.log, timeout=timeout)
-        else:
-            deadline = time.monotonic() + timeout
-            while True:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.cmd} did not start:\n{self.log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(self.url + self.health, timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
-        return self
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+Process = ServiceProcess
 
 
 class ProxyProcess(Process):
@@ -130,7 +89,7 @@ def _serve_model(path: Path, workdir: Path) -> Process:
     assert (path / "config.json").exists(), f"{path} is missing; rebuild with `rollmarket models build`"
     port = free_port()
     server = Process([sys.executable, "-m", "rollmarket", "serve-model", str(path), "--port", str(port),
-                      "--precision", "fp32", "--device", "cpu"], workdir / f"{path.name}.log", port, health="/v1/models")
+                      "--precision", "fp32", "--device", "cpu"], workdir / f"{path.name}.log", port)
     return server.start(timeout=120)
 
 

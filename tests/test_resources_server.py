@@ -9,7 +9,6 @@ and eviction, and ResourcesClient. No mocks: every request goes over HTTP to the
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,9 @@ import httpx
 import pytest
 
 from rollmarket.contracts import TaskSpec, ToolOutcome, ToolResult, VerifyResult
-from rollmarket.localhost import free_port, wait_healthy
+from helpers import ServiceProcess
+
+from rollmarket.localhost import free_port
 from rollmarket.verifiers import ResourcesClient, ResourcesError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,27 +52,19 @@ class Served:
     def healthz(self) -> dict:
         return httpx.get(self.url + "/healthz").json()
 
+    service: ServiceProcess | None = None
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """SIGTERM (the server deletes every workspace on shutdown), SIGKILL after 20 s."""
+        self.service.stop(20)
 
 
 def start_server(tmp: Path, *flags: str) -> Served:
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    log = tmp.parent / f"{tmp.name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*_serve_command(), "serve", "--port", str(port), "--log-level", "warning", *flags],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, log=log, timeout=60)
-    return Served(proc, url, tmp)
+    service = ServiceProcess([*_serve_command(), "serve", "--port", str(port), "--log-level", "warning", *flags],
+                             tmp.parent / f"{tmp.name}.log", port, env={"TMPDIR": str(tmp)}, cwd=ROOT).start(60)
+    return Served(service.proc, service.url, tmp, service)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,9 @@ in-process, and the streaming state machines are unit-tested with synthetic engi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import ClassVar
@@ -29,6 +25,8 @@ import numpy as np
 import openai
 import pytest
 import transformers
+
+from helpers import ServiceProcess, rollmarket_command
 
 from rollmarket.engines import RolloutEngine, SamplingParams, StepEvent, TrainerEngine
 from rollmarket.localhost import free_port
@@ -52,58 +50,23 @@ RL_MOE = {"return_token_ids": True, "return_routed_experts": True}
 
 # ---- servers ---------------------------------------------------------------------------------
 
-@dataclass
-class ModelServer:
+class ModelServer(ServiceProcess):
     """`rollmarket serve-model` as a child process on a free loopback port."""
 
-    model: Path
-    precision: str
-    log: Path
-    port: int = 0
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def __init__(self, model: Path, precision: str, log: Path):
+        port = free_port()
+        # One torch thread: on shared CPUs a 2-thread pool collapses under contention (~30x).
+        super().__init__(rollmarket_command("serve-model", str(model), "--precision", precision, "--device", "cpu",
+                                            "--port", str(port)), log, port, env={"OMP_NUM_THREADS": "1"})
+        self.model, self.precision = model, precision
 
     @property
     def name(self) -> str:
         return self.model.name
 
-    def spawn(self) -> ModelServer:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "rollmarket", "serve-model", str(self.model), "--precision",
-               self.precision, "--device", "cpu", "--port", str(self.port)]
-        self._log_file = open(self.log, "ab")
-        # One torch thread: on shared CPUs a 2-thread pool collapses under contention (~30x).
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
-        return self
-
     def wait(self, timeout: float = 90.0) -> ModelServer:
-        """Poll GET /health (the model server's route; the exchange's is /healthz)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve-model exited with {self.proc.returncode}:\n"
-                                   f"{self.log.read_text()[-4000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.url} not healthy in {timeout:g}s:\n{self.log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log_file.close()
+        super().wait(timeout)
+        return self
 
     def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,

@@ -62,16 +62,17 @@ def check_port(host: str, port: int) -> None:
     claim_port(host, port).close()
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, *, log: Path | None = None, timeout: float = 30.0) -> None:
-    """Return once `url/healthz` answers 200; raise RuntimeError (with the log's tail) if the
-    process exits first or the time runs out."""
+def wait_healthy(url: str, proc: subprocess.Popen, *, log: Path | None = None, timeout: float = 30.0,
+                 path: str = "/healthz") -> None:
+    """Return once `url` + `path` (default `/healthz`) answers 200; raise RuntimeError (with the
+    log's tail) if the process exits first or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text()[-4000:] if log and log.exists() else ""
             raise RuntimeError(f"the process exited with {proc.returncode} before it was healthy:\n{tail}")
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+            if httpx.get(url + path, timeout=1).status_code == 200:
                 return
         except httpx.TransportError:
             pass

@@ -24,11 +24,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
+from ..bodies import BodyError, parse_json
 from ..contracts.capture import CaptureOutcome
 from .augment import (
     GENERATION,
@@ -40,6 +42,7 @@ from .augment import (
     strip_response,
 )
 from .capture import CallRecorder, CaptureDraft, parse_error_body
+from .openapi import proxy_openapi
 from .settings import ProxySettings
 from .sse import DONE, EventSplitter, data_event, event_data
 from .store import CaptureStore
@@ -150,10 +153,13 @@ class Proxy:
     # -- generation calls -------------------------------------------------------------------------
     async def _generate(self, path: str, target: str, headers: list, body: bytes, receive, send,
                         received_at: float, t0: float) -> None:
+        # A body the proxy cannot read (not JSON, nested too deep, a lone surrogate) is forwarded
+        # untouched for the upstream to judge, and recorded without its request.
+        unreadable = None
         try:
-            request = json.loads(body)
-        except ValueError:
-            request = None
+            request = parse_json(body)
+        except BodyError as exc:
+            request, unreadable = None, str(exc)
         if not isinstance(request, dict):
             request = None
         stream = bool(request and request.get("stream"))
@@ -168,6 +174,8 @@ class Proxy:
                     upstream_body = _dumps(augmented)
             recorder = CallRecorder(endpoint=path, stream=stream, upstream=self.settings.upstream, request=request,
                                     augmented=aug.added, header_conversation=conversation, received_at=received_at)
+            if unreadable:
+                recorder.notes.append(f"request not recorded: {unreadable}")
             t_sent = time.perf_counter()
             try:
                 response = await self.upstream.send("POST", target, headers, upstream_body)
@@ -401,12 +409,30 @@ def create_proxy_app(settings: ProxySettings, store: CaptureStore | None = None)
     async def status(request: Request) -> JSONResponse:
         return JSONResponse(proxy.status())
 
+    document = proxy_openapi()
+
+    async def openapi(request: Request) -> JSONResponse:
+        return JSONResponse(document)
+
+    async def refused(request: Request, exc: HTTPException) -> Response:
+        """The proxy's own 404 and 405 (routes other than /v1/*) in the OpenAI error shape."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return Response(_error_body(code, str(exc.detail)), status_code=exc.status_code,
+                        media_type="application/json", headers=getattr(exc, "headers", None))
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return Response(_error_body("internal_error", f"internal error: {type(exc).__name__}"), status_code=500,
+                        media_type="application/json")
+
     app = Starlette(
         routes=[
             Route("/healthz", healthz, methods=["GET"]),
             Route("/proxy/status", status, methods=["GET"]),
+            Route("/openapi.json", openapi, methods=["GET"]),
             Route("/v1/{path:path}", proxy),
         ],
+        exception_handlers={HTTPException: refused, Exception: crashed},
         lifespan=lifespan,
     )
     app.state.proxy = proxy

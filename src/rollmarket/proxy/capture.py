@@ -275,6 +275,17 @@ def _sgl_experts(encoded: str, tokens: int, shape: tuple[int, int] | None, notes
     return experts
 
 
+def _objects(values: Any, what: str, notes: list[str]) -> list[dict[str, Any]] | None:
+    """`values` when it is a list of JSON objects (what the contract holds), else None and a note:
+    the upstream judged the request; the capture keeps everything else about the call."""
+    if values is None:
+        return None
+    if isinstance(values, list) and all(isinstance(v, dict) for v in values):
+        return values
+    notes.append(f"{what}: not a list of objects; not recorded")
+    return None
+
+
 def _params(request: dict[str, Any] | None) -> dict[str, Any]:
     if not request:
         return {}
@@ -349,6 +360,9 @@ def build_capture(draft: CaptureDraft, *, conversation_id: str, source: Conversa
         prompt_ids = per_choice[0] if per_choice else None
     choices = [_choice_record(choice, prompt_ids, experts_shape, notes) for choice in draft.choices]
     messages = draft.messages
+    recorded_messages = _objects(messages, "messages", notes)
+    tools = request.get("tools")
+    recorded_tools = _objects(tools, "tools", notes) if tools is not None else None
     timings = dict(draft.timings)
     timings["received_at"] = datetime.fromtimestamp(timings["received_at"], timezone.utc)
     return Capture(
@@ -363,8 +377,8 @@ def build_capture(draft: CaptureDraft, *, conversation_id: str, source: Conversa
         upstream=draft.upstream,
         model=request.get("model") if isinstance(request.get("model"), str) else None,
         upstream_model=draft.upstream_model,
-        messages=messages,
-        tools=request.get("tools") if isinstance(request.get("tools"), list) else None,
+        messages=recorded_messages,
+        tools=recorded_tools,
         prompt=request.get("prompt"),
         params=_params(request),
         augmented=draft.augmented,

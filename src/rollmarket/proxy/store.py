@@ -22,6 +22,7 @@ import queue
 import sqlite3
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -277,10 +278,23 @@ class CaptureStore:
             conversation, source = parent_conversation, ConversationSource.prefix
         else:
             conversation, source = None, ConversationSource.root
-        capture = build_capture(draft, conversation_id=conversation or "pending", source=source, parent=parent,
-                                experts_shape=self.experts_shape)
-        if conversation is None:
+        try:
+            capture = build_capture(draft, conversation_id=conversation or "pending", source=source, parent=parent,
+                                    experts_shape=self.experts_shape)
+            if conversation is None:
+                capture = capture.model_copy(update={"conversation_id": conversation_of_root(capture.capture_id)})
+            payload = packb(capture)
+        except Exception as exc:
+            # A request the record cannot hold (integers beyond 64 bits, a conversation header
+            # longer than an id, ...) must not lose the call: it is recorded without the request.
+            reason = str(exc).splitlines()[0][:200]
+            log.warning("capture of %s stored without its request: %s", draft.endpoint, reason)
+            draft = replace(draft, request=None, header_conversation=None,
+                            notes=[*draft.notes, f"request not recorded: {reason}"])
+            capture = build_capture(draft, conversation_id="pending", source=ConversationSource.root, parent=None,
+                                    experts_shape=self.experts_shape)
             capture = capture.model_copy(update={"conversation_id": conversation_of_root(capture.capture_id)})
+            payload = packb(capture)
         conn.execute(
             "INSERT INTO captures (capture_id, conversation_id, parent_capture_id, turn_index, received_at,"
             " endpoint, stream, model, status_code, outcome, n_choices, prompt_tokens, response_tokens, payload)"
@@ -289,7 +303,7 @@ class CaptureStore:
              capture.timings.received_at.timestamp(), capture.endpoint, int(capture.stream),
              capture.upstream_model or capture.model, capture.status_code, capture.outcome.value,
              len(capture.choices), 0 if capture.prompt_token_ids is None else len(capture.prompt_token_ids),
-             capture.num_response_tokens, packb(capture)),
+             capture.num_response_tokens, payload),
         )
         for choice, key in draft.reply_keys():
             conn.execute("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?)",

@@ -17,14 +17,25 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..bodies import BodyError, add_component_schemas, json_body, parse_json
 from ..engines import RolloutEngine, SamplingParams
 from .batcher import DONE, Batcher, Pending
 from .choice import ChoiceState
 from .detok import Detokenizer
-from .protocol import ChatRequest, CompletionRequest, OpenAIError
+from .protocol import (
+    OPENAI_ERROR_SCHEMA,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIError,
+    TokenizeRequest,
+)
 from .settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -34,10 +45,21 @@ def _error(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _validation_error(exc: ValidationError) -> OpenAIError:
-    first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
-    return OpenAIError(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+def _validation_error(exc: ValidationError | RequestValidationError) -> OpenAIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ())) or None
+    # `param` is the request's field, as OpenAI names it; the message keeps the whole path.
+    param = str(first["loc"][0]) if first.get("loc") else None
+    return OpenAIError(f"{where}: {first.get('msg')}" if where else str(first.get("msg", "invalid request")),
+                       param=param)
+
+
+_BODY_MODELS = [ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+_ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {
+    "$ref": "#/components/schemas/OpenAIErrorBody"}}}} for status, text in (
+    (400, "Bad JSON or values (OpenAI's error shape)"), (404, "Unknown model or route"),
+    (405, "Method not allowed"), (413, "Body too large"))}
 
 
 class ModelServer:
@@ -160,17 +182,20 @@ def _normalise_message(message: dict) -> dict:
     m = dict(message)
     content = m.get("content")
     if isinstance(content, list):
-        m["content"] = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        m["content"] = "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
     calls = m.get("tool_calls")
     if calls:
+        if not isinstance(calls, list) or not all(
+                isinstance(call, dict) and isinstance(call.get("function") or {}, dict) for call in calls):
+            raise OpenAIError("tool_calls must be a list of objects with a `function` object", param="messages")
         fixed = []
         for call in calls:
             call = dict(call)
             fn = dict(call.get("function") or {})
             if isinstance(fn.get("arguments"), str):
                 try:
-                    fn["arguments"] = json.loads(fn["arguments"])
-                except json.JSONDecodeError:
+                    fn["arguments"] = parse_json(fn["arguments"])
+                except BodyError:
                     pass
             call["function"] = fn
             fixed.append(call)
@@ -193,24 +218,46 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         finally:
             server.batcher.stop()
 
-    app = FastAPI(title="rollmarket model server", version="1", lifespan=lifespan)
+    app = FastAPI(title="rollmarket model server", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible chat and completions with vLLM's RL extensions. Every "
+                  "error is OpenAI's {\"error\": {message, type, param, code}}.")
     app.state.server = server
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request, exc: OpenAIError):
         return _error(exc)
 
+    # The framework's own refusals (unknown route, wrong method, bad query) in the same shape.
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        type_ = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return _error(OpenAIError(str(exc.detail), status=exc.status_code, type_=type_, code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_error(_request, exc: RequestValidationError):
+        return _error(_validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(OpenAIError(f"internal error: {type(exc).__name__}", status=500, type_="server_error"))
+
     async def _object(request: Request) -> dict:
+        body = await request.body()
+        if len(body) > settings.max_body_bytes:
+            raise OpenAIError(f"the body has {len(body)} bytes; the limit is {settings.max_body_bytes}",
+                              status=413, code="payload_too_large")
         try:
-            payload = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise OpenAIError("request body is not valid JSON") from None
+            payload = parse_json(body)
+        except BodyError as exc:
+            raise OpenAIError(f"request body: {exc}", code=exc.problem.value) from None
         if not isinstance(payload, dict):
             raise OpenAIError("request body must be a JSON object")
         return payload
 
-    async def _body(request: Request, model_cls):
-        payload = await _object(request)
+    async def _body(request: Request, model_cls, payload: dict | None = None):
+        payload = await _object(request) if payload is None else payload
         try:
             return model_cls.model_validate(payload)
         except ValidationError as exc:
@@ -241,31 +288,31 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
                 "batches": server.batcher.batches, "sequences": server.batcher.sequences,
                 "largest_batch": server.batcher.largest_batch}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=_ERRORS)
     async def tokenize(request: Request):
         payload = await _object(request)
-        if "messages" in payload:
+        req: TokenizeRequest = await _body(request, TokenizeRequest, payload)
+        if req.messages is not None:
             try:
                 chat_req = ChatRequest.model_validate({"model": server.name, **payload})
             except ValidationError as exc:
                 raise _validation_error(exc) from None
-            ids = server.chat_prompt(chat_req)
-        elif isinstance(payload.get("prompt"), str):
-            ids = engine.tokenizer.encode(payload["prompt"])
+            ids = await asyncio.to_thread(server.chat_prompt, chat_req)
+        elif req.prompt is not None:
+            ids = engine.tokenizer.encode(req.prompt)
         else:
             raise OpenAIError("give `prompt` (string) or `messages`")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.info.max_context_tokens}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=_ERRORS)
     async def detokenize(request: Request):
-        payload = await _object(request)
-        tokens = payload.get("tokens")
+        req: DetokenizeRequest = await _body(request, DetokenizeRequest)
         vocab = engine.info.vocab_size
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+        if not all(0 <= t < vocab for t in req.tokens):
             raise OpenAIError(f"`tokens` must be a list of integers in [0, {vocab})", param="tokens")
-        return {"prompt": server.detok.text(tokens)}
+        return {"prompt": server.detok.text(req.tokens)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatRequest), responses=_ERRORS)
     async def chat(request: Request):
         req: ChatRequest = await _body(request, ChatRequest)
         server._check_model(req.model)
@@ -309,7 +356,7 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
             body["prompt_token_ids"] = prompt
         return JSONResponse(body)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_ERRORS)
     async def completions(request: Request):
         req: CompletionRequest = await _body(request, CompletionRequest)
         server._check_model(req.model)
@@ -352,6 +399,16 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                        "total_tokens": prompt_tokens + completion_tokens}})
 
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        add_component_schemas(schema, _BODY_MODELS)
+        schema["components"]["schemas"]["OpenAIErrorBody"] = OPENAI_ERROR_SCHEMA
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -1,14 +1,33 @@
 """Request bodies of the OpenAI endpoints we serve, with vLLM's extensions.
 
 Unknown fields are accepted and ignored, as vLLM does, so clients written for other servers work;
-fields we know are type-checked and a bad value is a 400 with OpenAI's error shape.
+fields we know are type-checked and a bad value is a 400 with OpenAI's error shape. Every number
+has bounds and every list a most length, so that no value a client sends reaches the engine as
+something it cannot hold (an integer beyond 64 bits, a million stop strings).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP = 64
+"""Most stop strings (and stop token ids) one request may give."""
+MAX_STOP_CHARS = 1024
+MAX_PROMPTS = 256
+"""Most prompts in one completions request."""
+
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+OPENAI_ERROR_SCHEMA: dict[str, Any] = {
+    "title": "OpenAIErrorBody", "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+"""OpenAI's error body, which every 4xx and 5xx of the model server carries."""
 
 
 class OpenAIError(Exception):
@@ -32,14 +51,15 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str = Field(max_length=1024)
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="vLLM extension; 0 or -1 = off.")
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="vLLM extension; 0 or -1 = off.")
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP} stop strings of 1 to {MAX_STOP_CHARS} characters.")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP)
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -52,8 +72,11 @@ class _Common(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
-        if isinstance(value, list) and any(not s for s in value):
+        stops = [value] if isinstance(value, str) else value or []
+        if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters")
         return value
 
     def stop_list(self) -> tuple[str, ...]:
@@ -68,13 +91,39 @@ class ChatRequest(_Common):
     tool_choice: str | dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     add_generation_prompt: bool = True
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description=f"Text, token ids, or up to {MAX_PROMPTS} of either.")
     logprobs: int | None = Field(None, ge=0, le=20)
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT32_MAX)
     echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompts(cls, value):
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return value
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize: `prompt` (text) or chat `messages` (rendered with the chat template)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokens: list[TokenId]

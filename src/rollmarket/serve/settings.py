@@ -22,6 +22,8 @@ class ServeSettings(BaseModel):
         5.0, ge=0, description="How long the batcher waits for more requests before starting a batch.")
     default_max_tokens: int = Field(
         512, ge=1, description="max_tokens when a request gives none (capped by the context).")
+    max_body_bytes: int = Field(
+        32 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
     max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs a request may ask for.")
     return_routed_experts: bool = Field(
         True, description="Return routed experts when a request asks (MoE models); off: the field is ignored.")

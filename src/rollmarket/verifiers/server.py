@@ -2,6 +2,7 @@
 
     GET  /healthz          liveness, version, open sessions
     GET  /tools            the OpenAI function schemas of every tool
+    GET  /session          the caller's session: its task, tools and how many calls it recorded
     POST /seed_session     {"task": TaskSpec} or {} -> {"session_id", "tools"}; sets the cookie
     POST /close_session    closes the caller's session and deletes its workspace
     POST /verify           {"task", "answer", "tool_calls"} or {"task", "trajectory"} -> VerifyResult
@@ -17,7 +18,6 @@ JSON, a task that does not fit the contract or its verifier) is a typed ErrorBod
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +26,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..bodies import BodyError, add_component_schemas, json_body, parse_json
 from ..contracts import (
     AgentTrajectory,
     ErrorBody,
@@ -95,6 +97,26 @@ class CloseResponse(Record):
     closed: bool
 
 
+class SessionState(Record):
+    """Answer of GET /session: what the caller's session holds."""
+
+    session_id: str
+    task_id: str | None = Field(description="The task the session was seeded with; none: an empty workspace.")
+    tools: list[str] = Field(description="The tools this session may call.")
+    recorded_calls: int = Field(description="Tool calls recorded for /verify.")
+    unrecorded_calls: int = Field(description="Calls past --max-calls-per-session, run but not recorded.")
+
+
+_ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
+    (400, "Malformed body"), (401, "No session"), (404, "Unknown, closed or expired session; unknown route"),
+    (405, "Method not allowed"), (413, "Body too large"), (422, "Invalid request"))}
+
+
+_TOOL_BODY = {"requestBody": {"required": False, "description": "The tool's arguments object (see GET /tools); "
+                              "anything else is recorded as the model's mistake.",
+                              "content": {"application/json": {"schema": {"type": "object"}}}}}
+
+
 class Fault(Exception):
     """A request the server refuses, with the typed code the client sees."""
 
@@ -124,9 +146,9 @@ def _json(body: bytes) -> Any:
     if not body.strip():
         return {}
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise Fault(ErrorCode.malformed_body, f"malformed JSON: {exc}") from None
+        return parse_json(body)
+    except BodyError as exc:
+        raise Fault(ErrorCode.malformed_body, f"malformed JSON: {exc}", {"problem": exc.problem.value}) from None
 
 
 def _validate(model: type[Record], data: Any) -> Any:
@@ -235,7 +257,8 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         """The OpenAI function-tool schema of every tool this server runs."""
         return JSONResponse({"tools": tool_schemas(tool_names)})
 
-    @app.post("/seed_session", response_model=SeedResponse)
+    @app.post("/seed_session", response_model=SeedResponse, responses=_ERRORS,
+              openapi_extra=json_body(SeedRequest, required=False))
     async def seed_session(request: Request) -> Response:
         """Open a session for a task: a private copy of its files, its own tool state and call record."""
         seed = _validate(SeedRequest, _json(await _body(request, settings.max_body_bytes)))
@@ -258,7 +281,7 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         response.set_cookie(SESSION_COOKIE, session.id, httponly=True, samesite="lax")
         return response
 
-    @app.post("/close_session", response_model=CloseResponse)
+    @app.post("/close_session", response_model=CloseResponse, responses=_ERRORS)
     async def close_session(request: Request) -> Response:
         """Close the caller's session and delete its workspace (after any call still running)."""
         session = caller(request)
@@ -267,7 +290,7 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         response.delete_cookie(SESSION_COOKIE)
         return response
 
-    @app.post("/verify", response_model=VerifyResult)
+    @app.post("/verify", response_model=VerifyResult, responses=_ERRORS, openapi_extra=json_body(VerifyRequest))
     async def verify_route(request: Request) -> Response:
         """Score an answer with the task's verifier. Without tool_calls, the session's recorded calls are used."""
         body = _validate(VerifyRequest, _json(await _body(request, settings.max_body_bytes)))
@@ -297,14 +320,23 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         except VerifierConfigError as exc:
             raise Fault(ErrorCode.invalid_request, str(exc)) from None
 
-    @app.post("/{tool_name}", response_model=ToolResult)
+    @app.get("/session", response_model=SessionState, responses=_ERRORS)
+    async def session_state(request: Request) -> Response:
+        """The caller's session: its task, the tools it may call and how many calls it recorded."""
+        session = caller(request)
+        state = SessionState(session_id=session.id, task_id=session.task.task_id if session.task else None,
+                             tools=session.tools or tool_names, recorded_calls=len(session.recorded()),
+                             unrecorded_calls=session.unrecorded_calls)
+        return JSONResponse(state.model_dump(mode="json"))
+
+    @app.post("/{tool_name}", response_model=ToolResult, responses=_ERRORS, openapi_extra=_TOOL_BODY)
     async def call_tool(tool_name: str, request: Request) -> Response:
         """Run one tool call in the caller's session; the body is the arguments object."""
         session = caller(request)
         raw = (await _body(request, settings.max_body_bytes)).decode("utf-8", errors="replace")
         try:
-            parsed = json.loads(raw) if raw.strip() else {}
-        except (ValueError, RecursionError):
+            parsed = parse_json(raw) if raw.strip() else {}
+        except BodyError:
             parsed = None
         arguments = parsed if isinstance(parsed, dict) else None
         offered = session.tools
@@ -322,6 +354,25 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
                                       raw_arguments=raw, arguments=arguments, result=result))
         return JSONResponse(result.model_dump(mode="json"))
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, plus the bodies the routes read themselves and one path per tool."""
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        add_component_schemas(schema, [SeedRequest, VerifyRequest])
+        generic = schema["paths"]["/{tool_name}"]["post"]
+        for tool in tool_schemas(tool_names):
+            function = tool["function"]
+            operation = {key: value for key, value in generic.items() if key != "parameters"}
+            operation.update(summary=f"Call {function['name']}", description=function.get("description", ""),
+                             operationId=f"call_{function['name']}",
+                             requestBody={"required": True, "content": {"application/json": {
+                                 "schema": function["parameters"]}}})
+            schema["paths"].setdefault(f"/{function['name']}", {})["post"] = operation
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
 
 

@@ -39,7 +39,12 @@ class NumericVerifier(Verifier):
         if isinstance(value, bool) or value is None:
             want = None
         elif isinstance(value, (int, float)):
-            want = float(value) if math.isfinite(value) else None
+            try:  # an int beyond a float's range (JSON has no limit) is as unreadable as NaN
+                want = float(value)
+            except OverflowError:
+                want = None
+            if want is not None and not math.isfinite(want):
+                want = None
         elif isinstance(value, str):
             want = read_number(value)
         else:

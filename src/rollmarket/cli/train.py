@@ -59,6 +59,7 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
       rollmarket train --resume runs/20261126T101500Z-ab12cd --local
     """
     from ..train.config import TrainConfigError, resolve
+    from ..train.failpoints import FailpointError
     from ..train.loop import Trainer, TrainingError, resume_config
 
     if config is not None and "=" in str(config) and not config.exists():
@@ -86,7 +87,7 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
     try:
         with console.status("training…", spinner="dots"):
             run_dir = trainer.run()
-    except (TrainingError, TrainConfigError) as exc:
+    except (TrainingError, TrainConfigError, FailpointError) as exc:
         raise click.ClickException(str(exc)) from None
     summary = json.loads((run_dir / "summary.json").read_text())
     if line := accuracy_line(summary):

@@ -128,7 +128,7 @@ def check_run(run_dir: Path, db: Path, *, steps: int, groups_per_step: int, grou
     if sync:  # a sync step trains on its own jobs; an async one also on the next step's
         assert all(r["step"] == job_step[r["group_id"]] for r in rows)
 
-    base = json.loads((run_dir / "start.json").read_text())["base_version"]
+    base = base_version(db, run_id)
     final = run_dir / "checkpoints" / f"v{base + steps:04d}"
     assert policies[base + steps] == checkpoint_digest(final)
     assert max(policies) == base + steps
@@ -141,6 +141,12 @@ def check_run(run_dir: Path, db: Path, *, steps: int, groups_per_step: int, grou
         per_step = [(r["step"], r["task_id"]) for r in evals]
         assert len(per_step) == len(set(per_step)) and {s for s, _ in per_step} == {0, steps}
         assert summary["eval_before"] and summary["eval_after"]
+
+
+def base_version(db: Path, run_id: str) -> int:
+    """The version the run started from, as the exchange knows it: its first job's."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        return conn.execute("SELECT policy_version FROM jobs WHERE job_id = ?", (f"{run_id}-s00001-000",)).fetchone()[0]
 
 
 def decisions_of(db: Path, run_id: str) -> int:
@@ -188,7 +194,7 @@ def test_kill_9_at_a_point_then_resume(cluster, tmp_path, point, step, extra):
         assert reported == 1  # one of step 1's two decisions reached the exchange
     if point in (Failpoint.after_checkpoint_before_publish, Failpoint.waiting_for_quorum):
         assert reported == shape["groups_per_step"]
-        base = json.loads((run_dir / "start.json").read_text())["base_version"]
+        base = base_version(cluster.db, run_dir.name)
         with sqlite3.connect(f"file:{cluster.db}?mode=ro", uri=True) as conn:
             newest = conn.execute("SELECT max(version) FROM policies").fetchone()[0]
         assert newest == base + (point is Failpoint.waiting_for_quorum)

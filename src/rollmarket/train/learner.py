@@ -215,11 +215,14 @@ class Learner:
         state = {**extra_state, "version": version, "steps_done": self.steps_done,
                  "sepa_gate_open": self.sepa.gate_open, "torch_rng": torch.get_rng_state().tolist()}
         (state_dir / "state.json").write_text(json.dumps(state))
-        for directory in (state_dir, partial):
+        for directory in (state_dir, partial):  # durable before the rename makes them the checkpoint
             for item in directory.iterdir():
                 if item.is_file():
-                    with open(item, "rb+") as f:
-                        os.fsync(f.fileno())
+                    fd = os.open(item, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
             fsync_dir(directory)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)

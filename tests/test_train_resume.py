@@ -4,8 +4,8 @@ One exchange process and one real worker process (`rollmarket worker`, the tiny 
 every case in turn; each case is its own run (its own trainer id and policy versions). The trainer
 is a real `rollmarket train` process armed with ROLLMARKET_FAILPOINTS, which makes it SIGKILL itself
 at the named point of the named step; `rollmarket train --resume RUN_DIR` then finishes the run
-(in the test's process, through the CLI, so that torch loads once). What must hold is judged from the files and from the exchange's own database, not from
-the trainer's word:
+(in the test's process, through the CLI, so that torch loads once). What must hold is judged from
+the files and from the exchange's own database, not from the trainer's word:
 
 - every step 1..N has exactly one metrics row (and step 0 one, when evaluations are on);
 - the exchange recorded exactly one decision and one feedback per group of the run, and all
@@ -72,7 +72,9 @@ def cluster(tmp_path_factory):
         exchange.stop()
 
 
-def train(args: list[str], *, failpoint: str | None = None, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+def train(args: list[str], *, failpoint: str | None = None,
+          timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`rollmarket train ARGS` as a process of its own, armed with `failpoint` if given."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ROLLMARKET_TRAINER_TOKEN": TRAINER_TOKEN}
     env.pop("ROLLMARKET_FAILPOINTS", None)
     if failpoint:

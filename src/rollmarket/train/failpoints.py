@@ -5,9 +5,10 @@
 
 `POINT` alone fires the first time the point is reached, `POINT@N` only in step N (the trainer says
 which step it is in with `enter_step`). The trainer reads the variable when a run starts
-(`arm_from_environment`); a name that is not a point is a `FailpointError` then. Reaching an armed point prints one line to stderr and sends
-SIGKILL to the process itself: no `finally`, no atexit, no flush — what a crash or an OOM kill does.
-The idea is TiKV's and FreeBSD's fail points, cut down to the one action crash tests need.
+(`arm_from_environment`); a name that is not a point is a `FailpointError` then. Reaching an armed
+point prints one line to stderr and sends SIGKILL to the process itself: no `finally`, no atexit,
+no flush — what a crash or an OOM kill does. The idea is TiKV's and FreeBSD's fail points, cut down
+to the one action crash tests need.
 
 When the variable is unset (every real run) `reach` is one truth test of an empty dict.
 """

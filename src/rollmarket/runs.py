@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 from datetime import datetime, timezone
@@ -34,4 +35,29 @@ def new_run_dir(root: Path | str = "runs", *, kind: str = "run") -> Path:
 
 
 def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+    """Write `value` as JSON, atomically (see `atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` all at once: a crash leaves the old file or the new, never a part.
+
+    The text goes to a temporary file beside it, is fsynced, renamed over the old file, and the
+    directory is fsynced so that the rename survives a power loss too.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

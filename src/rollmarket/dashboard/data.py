@@ -327,7 +327,9 @@ class Runs:
         return list(reports) or list(matrix.divergence)
 
     def config(self, run_id: str) -> dict[str, Any]:
-        path = self.run_dir(run_id) / layout.CONFIG
+        """The observatory's settings: observe.json where it ran inside a demo's run, else config.json."""
+        run = self.run_dir(run_id)
+        path = run / layout.EMBEDDED_CONFIG if (run / layout.EMBEDDED_CONFIG).exists() else run / layout.CONFIG
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError):

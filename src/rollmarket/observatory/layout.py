@@ -1,7 +1,9 @@
 """The files of an observatory run, which the dashboard reads (files are the source of truth).
 
     runs/<UTC stamp>-<id>/
-        config.json                               ObserveSettings as run, code version
+        config.json                               ObserveSettings as run, code version (observe.json
+                                                  when the observatory runs inside another run's
+                                                  directory, such as a demo's, whose config.json it keeps)
         matrix.json                               ObservatoryMatrix: tiles, length scaling, divergence
         trajectories/<rollout>.jsonl              AgentTrajectory per line (the agent runs)
         reports/<rollout>__<trainer>.dense.jsonl  DenseMismatchReport per line
@@ -24,6 +26,8 @@ from ..contracts import Record
 
 MATRIX = "matrix.json"
 CONFIG = "config.json"
+EMBEDDED_CONFIG = "observe.json"
+"""The observatory's settings in a directory that holds another run (whose config.json stays its own)."""
 DIVERGENCE = "divergence.jsonl"
 
 

@@ -361,8 +361,13 @@ def _write_jsonl(path: Path, records) -> None:
             handle.write(record.model_dump_json() + "\n")
 
 
-def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress | None = None) -> ObservatoryMatrix:
-    """Sample (or read), score, compare and write everything under `run_dir`; return the matrix."""
+def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress | None = None, *,
+                    config_name: str = layout.CONFIG) -> ObservatoryMatrix:
+    """Sample (or read), score, compare and write everything under `run_dir`; return the matrix.
+
+    The settings go to `config_name`; a run directory that already holds another run (a demo's
+    training run) passes `layout.EMBEDDED_CONFIG` so that its own config.json stays.
+    """
     from datetime import datetime, timezone
 
     from transformers import AutoTokenizer
@@ -371,7 +376,7 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
     from ..tasks.suites import load_suite
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / layout.CONFIG, {"observe": settings.model_dump(mode="json"), "code": code_version()})
+    write_json(run_dir / config_name, {"observe": settings.model_dump(mode="json"), "code": code_version()})
     tokenizer = AutoTokenizer.from_pretrained(settings.model)
     tasks = load_suite(settings.suite, settings.split)[: settings.n]
     by_task = {t.task_id: t for t in load_suite(settings.suite, settings.split)}

@@ -326,8 +326,10 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
 
 
 def observe_with_progress(settings, run_dir: Path, console: Console):
-    """`run_observatory` with a progress bar per stage; prints the matrix and returns it."""
+    """`run_observatory` into a demo's run directory, with a progress bar per stage; prints the matrix
+    and returns it. Its settings go to observe.json: the demo's config.json stays the demo's."""
     from ..cli.observe import print_matrix
+    from ..observatory import layout
     from ..observatory.runner import run_observatory
 
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(), console=console,
@@ -339,7 +341,7 @@ def observe_with_progress(settings, run_dir: Path, console: Console):
                 stages[stage] = bars.add_task(f"observatory: {stage}", total=total)
             bars.update(stages[stage], completed=done, total=total)
 
-        matrix = run_observatory(settings, run_dir, progress)
+        matrix = run_observatory(settings, run_dir, progress, config_name=layout.EMBEDDED_CONFIG)
     print_matrix(matrix, console)
     return matrix
 

@@ -137,7 +137,10 @@ class LocalSection(_Section):
 class ExchangeSection(_Section):
     url: str | None = Field(None, description="Exchange base URL; None with --local starts one in-process.")
     token_env: str = Field("ROLLMARKET_TRAINER_TOKEN", description="Environment variable holding the trainer token.")
-    trainer_id: str = Field("rollmarket-trainer", description="This trainer's id in decisions and feedback.")
+    trainer_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$",
+        description="This trainer's id in decisions, feedback and the exchange's served marks; None: "
+                    "trainer-<run id>, one per run (two runs sharing an id hide each other's groups).")
 
 
 class LoggingSection(_Section):

@@ -8,8 +8,9 @@
 Each step prints the gate's decisions and the mismatch teacher forcing found per precision; the
 run ends with the observatory matrix of the trained policy (its final checkpoint sampled at each
 rollout precision, teacher-forced on fp32 and bf16). Everything lands in one run directory:
-config.json, metrics.jsonl, generations.jsonl, checkpoints/, exchange.db, workers/, logs/,
-matrix.json and reports/, summary.json.
+config.json (the training config: `rollmarket train --resume RUN_DIR --local` goes on from it),
+metrics.jsonl, generations.jsonl, checkpoints/, exchange.db, workers/, logs/, matrix.json, reports/
+and observe.json (the observatory's settings), summary.json.
 """
 
 from __future__ import annotations

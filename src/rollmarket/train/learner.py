@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,9 @@ from ..engines.provenance import checkpoint_digest
 from ..engines.teacher import TeacherForced
 from .batch import Batch, Datum, collate
 from .config import TrainConfig
+from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
+from .failpoints import Failpoint
 from .losses import LossConfig, policy_loss
 from .transforms import SepaSchedule, TransformConfig, token_advantages, token_entropy
 
@@ -145,6 +148,7 @@ class Learner:
                 ref_logprobs_BT=None if ref_BT is None else ref_BT[rows_t])
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            failpoints.reach(Failpoint.in_optimizer_step)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip)
             self.optimizer.step()
@@ -177,12 +181,18 @@ class Learner:
         # experts fused in memory and splits them on save), tied weights once, as save_pretrained does.
         return merged_state_dict(self.model)
 
-    def save(self, target: Path, *, version: int, extra_state: dict, save_optimizer: bool = True) -> str:
-        """Write a checkpoint directory workers can load (atomically: a partial dir, then rename).
+    def save(self, target: Path, *, version: int, extra_state: dict, save_optimizer: bool = True,
+             extra_files: dict[str, str] | None = None) -> str:
+        """Write a checkpoint directory workers can load, atomically: a partial directory, every file
+        fsynced, then one rename. A crash leaves either the whole checkpoint or a `.vNNNN.partial`
+        directory that `latest_checkpoint` never picks (and resume removes).
 
-        Returns its digest (sha256 over the *.safetensors files, what workers check).
+        `extra_files` (name → text) go into the checkpoint's `trainer/` directory beside state.json.
+        Returns the digest (sha256 over the *.safetensors files, what workers check).
         """
         from safetensors.torch import save_file
+
+        from ..runs import fsync_dir
 
         partial = target.with_name(f".{target.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -192,6 +202,7 @@ class Learner:
                 shutil.copy2(item, partial / item.name)
         save_file(self.weights(), str(partial / "model.safetensors"),
                   metadata={"format": "pt", "policy_version": str(version)})
+        failpoints.reach(Failpoint.in_checkpoint_write)
         state_dir = partial / TRAINER_STATE
         state_dir.mkdir()
         if save_optimizer:
@@ -199,11 +210,23 @@ class Learner:
         if self.config.lora.enabled:
             trainable = {k: v.detach().cpu().contiguous() for k, v in self.model.named_parameters() if v.requires_grad}
             save_file(trainable, str(state_dir / "adapters.safetensors"))
+        for name, text in (extra_files or {}).items():
+            (state_dir / name).write_text(text)
         state = {**extra_state, "version": version, "steps_done": self.steps_done,
                  "sepa_gate_open": self.sepa.gate_open, "torch_rng": torch.get_rng_state().tolist()}
         (state_dir / "state.json").write_text(json.dumps(state))
+        for directory in (state_dir, partial):  # durable before the rename makes them the checkpoint
+            for item in directory.iterdir():
+                if item.is_file():
+                    fd = os.open(item, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            fsync_dir(directory)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
+        fsync_dir(target.parent)
         return checkpoint_digest(target)
 
     def _restore(self, checkpoint: Path) -> None:
@@ -225,6 +248,7 @@ class Learner:
 
 
 def read_state(checkpoint: Path) -> dict:
+    """The counters a checkpoint was saved with (its trainer/state.json)."""
     return json.loads((checkpoint / TRAINER_STATE / "state.json").read_text())
 
 

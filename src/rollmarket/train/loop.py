@@ -1,26 +1,37 @@
 """The closed loop: `rollmarket train CONFIG.toml`, a GRPO-family trainer fed by the exchange.
 
     publish v ─► enqueue the step's jobs ─► fetch groups ─► teacher-force (π_old) ─► BudgetReport
-      ─► gate: train | train_with_correction | replay | quarantine ─► report decision + feedback
-      ─► advantages, IS correction where asked ─► optimizer step ─► checkpoint v+1 (+digest)
-      ─► publish v+1 ─► sync: wait for the reload quorum | async: go on, take groups ≤ max_staleness old
+      ─► gate: train | train_with_correction | replay | quarantine (kept in the step, not yet reported)
+      ─► advantages, IS correction where asked ─► optimizer step ─► checkpoint v+1 (+digest, + the step's
+         decisions, metrics row and generations) ─► report the decisions + feedback ─► publish v+1
+      ─► sync: wait for the reload quorum | async: go on, take groups ≤ max_staleness old
+      ─► evaluate (when due) ─► generations.jsonl, then the metrics row
 
 The run directory is the record:
 
     runs/<UTC timestamp>-<id>/
         config.json        resolved settings (file + overrides + defaults), code version
-        metrics.jsonl      one row per step (docs/metrics.md, "Training")
-        generations.jsonl  every trajectory used or judged: step, prompt, response, reward, tokens
+        start.json         the base policy version this run published first (written before publishing it)
+        metrics.jsonl      one row per step (docs/metrics.md, "Training"); a step's row is written last
+        generations.jsonl  every trajectory judged: step, prompt, response, reward, tokens, decision
         evals.jsonl        held-out evaluation per task and step (greedy and sampled passes)
         summary.json       held-out accuracy before/after, steps, timings
-        checkpoints/vNNNN  the newest checkpoints (safetensors + config + tokenizer; trainer/ holds
-                           optimizer state and counters for resume)
+        checkpoints/vNNNN  the newest checkpoints (safetensors + config + tokenizer; trainer/ holds the
+                           optimizer state and counters (state.json) and the step's outbox (step.json):
+                           its decisions, metrics row and generations rows)
         exchange.db        --local only: the in-process exchange's database
         workers/           --local only: each worker's events and agent runs
 
-Resume (`rollmarket train --resume RUN_DIR`) restarts from the newest complete checkpoint: the
-exchange still holds the jobs (idempotency keys make re-enqueueing a no-op) and the groups
-(undecided ones are fetched again).
+Crash safety. The checkpoint is the step's commit: written to a partial directory, fsynced and
+renamed. The exchange learns a step's decisions only after that rename, so a kill -9 anywhere
+before it leaves the step's groups undecided at the exchange (served, not consumed): the resumed
+trainer fetches them again (`include_served`) and judges them with the same π_old (the previous
+checkpoint). A kill after the rename is finished from the checkpoint's outbox: decisions the
+exchange has not recorded (its audit log says which) are reported, the version is published if it
+is not, the quorum is awaited, and the metrics and generations rows are written. Those files are
+repaired on resume (torn lines and rows of uncommitted steps dropped), so every step has one
+metrics row and every judged trajectory one generations row. `failpoints` kills the process at
+each of these points in the tests; docs/training.md, "Crashes and resume", lists what holds where.
 """
 
 from __future__ import annotations
@@ -41,16 +52,18 @@ import numpy as np
 import torch
 
 from ..client import ExchangeError, TrainerClient
-from ..contracts import DecisionStatus, PolicyManifest, RolloutJob, SamplingConfig, Tier
+from ..contracts import DecisionStatus, GroupDecision, PolicyManifest, RolloutJob, SamplingConfig, Tier
 from ..engines.precision import Precision
 from ..engines.provenance import checkpoint_digest
 from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
-from ..runs import code_version, new_run_dir, write_json
+from ..runs import atomic_write_text, code_version, new_run_dir, write_json
 from ..tasks.suites import load_suite
+from . import failpoints
 from .advantages import compute_advantages
 from .batch import Datum
 from .config import TrainConfig, TrainConfigError, resolve, validate
+from .failpoints import Failpoint
 
 CORRECT_REWARD = 1.0
 """A run counts as correct when its reward reaches this (the verifiers' pass value)."""
@@ -70,10 +83,13 @@ class TrainingError(RuntimeError):
 
 @dataclasses.dataclass
 class StepGroups:
-    """What one step collected: datums to train on and the numbers about every group it judged."""
+    """What one step collected: datums to train on, its decisions, and the numbers about every group it judged."""
 
     data: list[Datum] = dataclasses.field(default_factory=list)
     decisions: Counter = dataclasses.field(default_factory=Counter)
+    outbox: list[GroupDecision] = dataclasses.field(default_factory=list)
+    """The step's decisions, reported to the exchange once the step's checkpoint is written."""
+    judged: set[str] = dataclasses.field(default_factory=set)
     rewards: list[float] = dataclasses.field(default_factory=list)
     lengths: list[int] = dataclasses.field(default_factory=list)
     truncated: int = 0
@@ -85,6 +101,33 @@ class StepGroups:
     mismatch: dict = dataclasses.field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     generations: list[dict] = dataclasses.field(default_factory=list)
     tokens_used: int = 0
+
+
+@dataclasses.dataclass
+class StepOutbox:
+    """What a committed step still owes the exchange and the run's files (its checkpoint's trainer/step.json)."""
+
+    step: int
+    row: dict
+    decisions: list[GroupDecision]
+    generations: list[dict]
+    tokens_used: int
+
+    FILE = "step.json"
+
+    def dumps(self) -> str:
+        return json.dumps({"step": self.step, "row": self.row, "tokens_used": self.tokens_used,
+                           "decisions": [d.model_dump(mode="json") for d in self.decisions],
+                           "generations": self.generations})
+
+    @classmethod
+    def read(cls, checkpoint: Path) -> "StepOutbox":
+        from .learner import TRAINER_STATE
+
+        data = json.loads((checkpoint / TRAINER_STATE / cls.FILE).read_text())
+        return cls(step=data["step"], row=data["row"], tokens_used=data["tokens_used"],
+                   decisions=[GroupDecision.model_validate(d) for d in data["decisions"]],
+                   generations=data["generations"])
 
 
 def _mean(values) -> float | None:
@@ -101,6 +144,43 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def _read_jsonl(path: Path) -> tuple[list[dict], bool]:
+    """The rows of a JSONL file, and whether it is clean (no line a crash left half-written)."""
+    text = path.read_text() if path.exists() else ""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows, len(rows) == len(text.splitlines()) and (not text or text.endswith("\n"))
+
+
+def _append_jsonl(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with path.open("a") as out:
+        out.writelines(json.dumps(r) + "\n" for r in rows)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _keep_rows(path: Path, keep: Callable[[dict], bool], key: Callable[[dict], tuple]) -> list[dict]:
+    """Rewrite a JSONL file (atomically) with only the rows `keep` accepts, the first of each `key`."""
+    rows, clean = _read_jsonl(path)
+    seen, kept = set(), []
+    for row in rows:
+        k = key(row)
+        if keep(row) and k not in seen:
+            seen.add(k)
+            kept.append(row)
+    if len(kept) != len(rows) or not clean:
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
 class Trainer:
     """One training run. `run()` returns the run directory; `on_step(row)` sees each metrics row."""
 
@@ -115,6 +195,27 @@ class Trainer:
         self.resume = resume
         self.on_step = on_step or (lambda row: None)
         self.on_event = on_event or (lambda kind, data: None)
+        self.gate = config.gate
+        if config.loop.mode == "async":  # groups older than max_staleness go to replay, by the gate's own rule
+            self.gate = config.gate.model_copy(
+                update={"replay_lag": min(config.gate.replay_lag, config.loop.max_staleness)})
+        self.train_tasks = load_suite(config.rollout.suite, "train")
+        random.Random(config.rollout.seed).shuffle(self.train_tasks)
+        self.eval_tasks = load_suite(config.rollout.suite, "heldout")[:config.eval.tasks]
+        # Set up by run():
+        self.run_dir: Path | None = None
+        self.run_id = ""
+        self.trainer_id = config.exchange.trainer_id or ""
+        self.base_version = 0
+        self.client: TrainerClient | None = None
+        self.learner = None
+        self.trackers: list = []
+        self.history: dict[str, dict] = {}
+        """Evaluation metrics: "before" (step 0) and "last" (the newest evaluation)."""
+        self.timing: Counter = Counter()
+        self.enqueued: set[int] = set()
+        self.first_fetch = False
+        self.write_generations = False
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -122,6 +223,8 @@ class Trainer:
         if self.resume is not None:
             if not (self.resume / "config.json").exists():
                 raise TrainConfigError(f"{self.resume} is not a training run directory (no config.json)")
+            if "config" not in json.loads((self.resume / "config.json").read_text()):
+                raise TrainConfigError(f"{self.resume}/config.json is not a training config")
             return self.resume
         run_dir = self.given_run_dir or new_run_dir(self.config.runs_root)
         write_json(run_dir / "config.json", {"config": self.config.model_dump(mode="json"), "local": self.local,
@@ -144,7 +247,7 @@ class Trainer:
                 raise TrainConfigError("exchange.url is not set: pass exchange.url=http://HOST:PORT or --local")
             if not token:
                 raise TrainConfigError(f"set ${cfg.exchange.token_env} to the exchange's trainer token")
-        client = TrainerClient(url, token, trainer_id=cfg.exchange.trainer_id, retries=8)
+        client = TrainerClient(url, token, trainer_id=self.trainer_id, retries=8)
         stack.callback(client.close)
         return client
 
@@ -157,10 +260,38 @@ class Trainer:
             precision_class=self.config.rollout.precisions[0],
             quantization_class=Precision(self.config.rollout.precisions[0]).quantization)
 
+    def _publish(self, version: int, path: Path, digest: str) -> None:
+        """Publish `version` unless the exchange already has it (a crash after the publish reached it).
+
+        A version the exchange holds with another digest, or a newer published version, means another
+        trainer publishes to this exchange: that is refused rather than trained over.
+        """
+        published = self.client.pool().published_version
+        if published is None or published < version:
+            self.client.publish_policy(self._manifest(version, path, digest), quorum=self.config.loop.quorum)
+            return
+        if published > version:
+            raise TrainingError(f"the exchange has version {published} published, newer than this run's "
+                                f"v{version}: another trainer is using it")
+        held = next((m for m in self.client.policies() if m.policy_version == version), None)
+        if held is None or held.checkpoint_digest != digest:
+            raise TrainingError(f"the exchange's version {version} is not this run's {path} (another digest): "
+                                f"another trainer is using it")
+
     # -- jobs ---------------------------------------------------------------------------------------
 
-    def _jobs(self, step: int, version: int) -> list[RolloutJob]:
+    def _job_version(self, step: int) -> int:
+        """The policy version a step's jobs carry: the version current when they were first enqueued.
+
+        Sync enqueues step k at its start (version base + k − 1); async enqueues step k one step early.
+        A rule rather than the loop's variable, so that a resumed trainer re-enqueues the same jobs.
+        """
+        lead = 1 if self.config.loop.mode == "async" else 0
+        return self.base_version + max(step - 1 - lead, 0)
+
+    def _jobs(self, step: int) -> list[RolloutJob]:
         r = self.config.rollout
+        version = self._job_version(step)
         jobs = []
         for i in range(r.groups_per_step):
             task = self.train_tasks[((step - 1) * r.groups_per_step + i) % len(self.train_tasks)]
@@ -174,14 +305,15 @@ class Trainer:
                 max_context_tokens=self.learner.loaded.info.max_context_tokens))
         return jobs
 
-    def _enqueue(self, step: int, version: int) -> None:
+    def _enqueue(self, step: int) -> None:
         if step <= self.config.loop.steps and step not in self.enqueued:
-            self.client.enqueue(self._jobs(step, version))
+            self.client.enqueue(self._jobs(step))  # idempotent: a resumed run enqueues the same jobs again
             self.enqueued.add(step)
 
     # -- one group ----------------------------------------------------------------------------------
 
     def _judge(self, fetched, step: int, out: StepGroups) -> None:
+        """Teacher-force a group, let the gate decide, and keep the decision in the step's outbox."""
         cfg = self.config
         group = fetched.group
         trajectories = group.trajectories
@@ -194,8 +326,9 @@ class Trainer:
         report = budget_report(group, [s.logprobs_T for s in scored],
                                trainer_routed_experts=experts if use_experts else None,
                                policy_lag_steps=fetched.current_lag, config=self.gate)
-        decision = decide(report, self.gate, decided_by=cfg.exchange.trainer_id)
-        self.client.report(group.group_id, decision)  # the decision, and feedback on the worker
+        decision = decide(report, self.gate, decided_by=self.trainer_id)
+        out.outbox.append(decision)
+        out.judged.add(group.group_id)
         status = decision.status
         out.decisions[status.value] += 1
         out.groups += 1
@@ -242,8 +375,11 @@ class Trainer:
         out = StepGroups()
         deadline = time.monotonic() + cfg.loop.fetch_timeout_s
         sync = cfg.loop.mode == "sync"
+        # After a resume, groups the killed process fetched but never decided are still marked served to
+        # this trainer: the first fetch asks for them too.
         include_served = self.first_fetch
         self.first_fetch = False
+        failpoints.reach(Failpoint.before_fetch)
         while out.groups < cfg.rollout.groups_per_step:
             if time.monotonic() > deadline:
                 raise TrainingError(f"step {step}: {out.groups}/{cfg.rollout.groups_per_step} groups after "
@@ -251,12 +387,67 @@ class Trainer:
                                     f"{cfg.rollout.precisions}? (`rollmarket worker --precision P`)")
             batch = self.client.fetch(tier=Tier.fresh, policy_version=version if sync else None,
                                       limit=cfg.rollout.groups_per_step - out.groups, include_served=include_served)
-            ours = [f for f in batch.groups if f.group.job_id.startswith(self.run_id)]
-            for fetched in ours:
+            include_served = False
+            # Undecided groups are redelivered after the exchange's redeliver_after_s: one judged in
+            # this step (its decision waits for the checkpoint) may come again.
+            ours = [f for f in batch.groups
+                    if f.group.job_id.startswith(self.run_id) and f.group.group_id not in out.judged]
+            for fetched in ours[:cfg.rollout.groups_per_step - out.groups]:
                 self._judge(fetched, step, out)
+                if out.groups == 1 and cfg.rollout.groups_per_step > 1:
+                    failpoints.reach(Failpoint.between_decisions)
             if not ours:
                 time.sleep(0.2)
         return out
+
+    # -- after the checkpoint -----------------------------------------------------------------------
+
+    def _decided(self, group_id: str) -> bool:
+        """Whether the exchange recorded this trainer's decision on the group (its audit log)."""
+        page = self.client.audit(kind="group.decided", subject=group_id, limit=50)
+        return any(e.actor == self.trainer_id for e in page.events)
+
+    def _report(self, decisions: list[GroupDecision], *, resumed: bool) -> None:
+        """Report a committed step's decisions; after a resume, only those the exchange lacks."""
+        for i, decision in enumerate(decisions):
+            if resumed and self._decided(decision.group_id):
+                continue
+            self.client.report(decision.group_id, decision)  # the decision, and feedback on the worker
+            if i == 0 and len(decisions) > 1:
+                failpoints.reach(Failpoint.between_reports)
+
+    def _finish(self, outbox: StepOutbox, version: int, checkpoint: Path, *, resumed: bool = False) -> None:
+        """Everything after a step's checkpoint: report, publish, quorum, evaluation, the step's rows.
+
+        Idempotent, so that a resumed trainer runs it again for a checkpoint whose metrics row is missing.
+        """
+        cfg = self.config
+        step, row = outbox.step, dict(outbox.row)
+        t0 = time.perf_counter()
+        self._report(outbox.decisions, resumed=resumed)
+        failpoints.reach(Failpoint.after_checkpoint_before_publish)
+        self._publish(version, checkpoint, checkpoint_digest(checkpoint))
+        if cfg.loop.mode == "sync":
+            failpoints.reach(Failpoint.waiting_for_quorum)
+            self.on_event("quorum", {"version": version})
+            try:
+                pool = self.client.wait_for_quorum(version, timeout=cfg.loop.quorum_timeout_s)
+            except ExchangeError as exc:
+                raise TrainingError(f"step {step}: {exc}") from None
+            row["reload_quorum"] = f"{pool.acks}/{pool.quorum}"
+        row["timing_s/publish"] = time.perf_counter() - t0
+        if self.eval_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.loop.steps):
+            t1 = time.perf_counter()
+            self.on_event("eval", {"step": step})
+            self.history["last"] = self._evaluate(step)
+            row.update(self.history["last"])
+            row["timing_s/eval"] = time.perf_counter() - t1
+        # The step's time is its work before the checkpoint (saved in the row) plus this tail.
+        row["timing_s/step"] = row.get("timing_s/step", 0.0) + time.perf_counter() - t0
+        row["perf/throughput"] = outbox.tokens_used / row["timing_s/step"] if row["timing_s/step"] else 0.0
+        self._write(row, outbox.generations)
+        self._prune(version)
+        self.on_step(row)
 
     # -- the run ------------------------------------------------------------------------------------
 
@@ -265,63 +456,47 @@ class Trainer:
 
         cfg = self.config
         validate(cfg, local=self.local, token=self.token)  # before the run directory exists
-        run_dir = self._run_dir()
-        self.run_dir = run_dir
+        failpoints.arm_from_environment()
+        run_dir = self.run_dir = self._run_dir()
         self.run_id = run_dir.name
-        checkpoints = run_dir / "checkpoints"
-        resume_ckpt = latest_checkpoint(run_dir) if self.resume is not None else None
-        state = read_state(resume_ckpt) if resume_ckpt else {}
-        self.gate = cfg.gate
-        if cfg.loop.mode == "async":  # groups older than max_staleness go to replay, by the gate's own rule
-            self.gate = cfg.gate.model_copy(update={"replay_lag": min(cfg.gate.replay_lag, cfg.loop.max_staleness)})
-        self.train_tasks = load_suite(cfg.rollout.suite, "train")
-        random.Random(cfg.rollout.seed).shuffle(self.train_tasks)
-        eval_tasks = load_suite(cfg.rollout.suite, "heldout")[:cfg.eval.tasks]
-        self.timing: Counter = Counter()
-        self.enqueued: set[int] = set()
-        self.first_fetch = resume_ckpt is not None
-        self.write_generations = False
+        # One trainer id per run: served-ness is per trainer id, so two runs sharing one would hide
+        # each other's groups; a resumed run derives the same id from its directory.
+        self.trainer_id = cfg.exchange.trainer_id or f"trainer-{self.run_id}"
+        resumed = self.resume is not None
+        checkpoint = None
+        if resumed:
+            for partial in (run_dir / "checkpoints").glob(".v*.partial"):  # a checkpoint the crash cut short
+                shutil.rmtree(partial, ignore_errors=True)
+            checkpoint = latest_checkpoint(run_dir)
+        state = read_state(checkpoint) if checkpoint else {}
+        # The newest step whose checkpoint exists (0: none) and whether its rows were written.
+        written = self._repair_files(state.get("step", 0)) if resumed else False
+        self.first_fetch = resumed
         with ExitStack() as stack:
             self.on_event("setup", {"run_dir": str(run_dir), "local": self.local})
             self.client = self._client(stack, run_dir)
             self.trackers = self._trackers(stack, run_dir)
-            self.learner = Learner(cfg, resume_from=resume_ckpt)
-            published = self.client.pool().published_version
-            if resume_ckpt is None:
-                self.base_version = 0 if published is None else published + 1
-                version = self.base_version
-                digest = checkpoint_digest(cfg.model.path)
-                self.client.publish_policy(self._manifest(version, Path(cfg.model.path), digest), quorum=cfg.loop.quorum)
-                step0, seen, solved, history = 1, 0, 0, {}
+            self.learner = Learner(cfg, resume_from=checkpoint)
+            if checkpoint is None:
+                version, step0, seen, solved = self._start(resumed, evaluated=written), 1, 0, 0
             else:
-                self.base_version = state["base_version"]
-                version = state["version"]
-                if published is None or published < version:  # crashed between saving and publishing
-                    self.client.publish_policy(self._manifest(version, resume_ckpt, checkpoint_digest(resume_ckpt)),
-                                               quorum=cfg.loop.quorum)
-                elif published > version:
-                    raise TrainingError(f"the exchange has version {published} published, newer than this run's "
-                                        f"last checkpoint v{version}: another trainer is using it")
-                step0, seen, solved, history = state["step"] + 1, state["seen"], state["solved"], state["history"]
-                self._restore_metrics(run_dir, state)
-            self.on_event("quorum", {"version": version})
-            self.client.wait_for_quorum(version, timeout=cfg.loop.quorum_timeout_s)
-            evaluate = self._evaluator(eval_tasks)
-            if resume_ckpt is None and eval_tasks:
-                self.on_event("eval", {"step": 0})
-                history["before"] = evaluate(0)
-                with (run_dir / "metrics.jsonl").open("a") as log:
-                    log.write(json.dumps({"step": 0, "policy_version": version, **history["before"]}) + "\n")
-                for tracker in self.trackers:
-                    tracker.log(history["before"], step=0)
+                self.base_version, version = state["base_version"], state["version"]
+                step0, seen, solved = state["step"] + 1, state["seen"], state["solved"]
+                if not written:  # the crash came after the checkpoint: finish that step
+                    failpoints.enter_step(state["step"])
+                    self._finish(StepOutbox.read(checkpoint), version, checkpoint, resumed=True)
+                elif cfg.loop.mode == "sync":
+                    self.on_event("quorum", {"version": version})
+                    self.client.wait_for_quorum(version, timeout=cfg.loop.quorum_timeout_s)
             started = time.perf_counter()
             for step in range(step0, cfg.loop.steps + 1):
+                failpoints.enter_step(step)
                 self.write_generations = bool(cfg.logging.generations_every) and step % cfg.logging.generations_every == 0
                 t_step = time.perf_counter()
                 self.timing = Counter()
-                self._enqueue(step, version)
+                self._enqueue(step)
                 if cfg.loop.mode == "async":
-                    self._enqueue(step + 1, version)  # keep workers busy while this step trains
+                    self._enqueue(step + 1)  # keep workers busy while this step trains
                 t0 = time.perf_counter()
                 groups = self._collect(step, version)
                 gen_s = time.perf_counter() - t0 - self.timing["score"]
@@ -337,55 +512,60 @@ class Trainer:
                 t0 = time.perf_counter()
                 previous, version = version, version + 1
                 row = self._row(step, previous, groups, metrics, correct_rate, seen, solved)
-                row.update({"timing_s/gen": gen_s, "timing_s/score": self.timing["score"], "timing_s/update": update_s})
-                target = checkpoints / f"v{version:04d}"
-                digest = self.learner.save(target, version=version, save_optimizer=cfg.loop.save_optimizer, extra_state={
-                    "step": step, "seen": seen, "solved": solved, "history": history, "row": row,
-                    "base_version": self.base_version})
-                row["timing_s/save"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                self.client.publish_policy(self._manifest(version, target, digest), quorum=cfg.loop.quorum)
-                self._prune(checkpoints, version)
-                if cfg.loop.mode == "sync":
-                    try:
-                        pool = self.client.wait_for_quorum(version, timeout=cfg.loop.quorum_timeout_s)
-                    except ExchangeError as exc:
-                        raise TrainingError(f"step {step}: {exc}") from None
-                    row["reload_quorum"] = f"{pool.acks}/{pool.quorum}"
-                row["timing_s/publish"] = time.perf_counter() - t0
-                if eval_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.loop.steps):
-                    t0 = time.perf_counter()
-                    self.on_event("eval", {"step": step})
-                    history["last"] = evaluate(step)
-                    row.update(history["last"])
-                    row["timing_s/eval"] = time.perf_counter() - t0
+                row.update({"timing_s/gen": gen_s, "timing_s/score": self.timing["score"], "timing_s/update": update_s,
+                            "perf/total_num_tokens": sum(groups.lengths)})
                 row["timing_s/step"] = time.perf_counter() - t_step
-                row["perf/throughput"] = groups.tokens_used / row["timing_s/step"] if row["timing_s/step"] else 0.0
-                row["perf/total_num_tokens"] = sum(groups.lengths)
-                self._write(run_dir, row, groups.generations)
-                self.on_step(row)
+                outbox = StepOutbox(step=step, row=row, decisions=groups.outbox, generations=groups.generations,
+                                    tokens_used=groups.tokens_used)
+                target = run_dir / "checkpoints" / f"v{version:04d}"
+                self.learner.save(target, version=version, save_optimizer=cfg.loop.save_optimizer,
+                                  extra_state={"step": step, "seen": seen, "solved": solved,
+                                               "base_version": self.base_version},
+                                  extra_files={StepOutbox.FILE: outbox.dumps()})
+                outbox.row["timing_s/save"] = time.perf_counter() - t0
+                outbox.row["timing_s/step"] += outbox.row["timing_s/save"]
+                self._finish(outbox, version, target)
             minutes = (time.perf_counter() - started) / 60
         summary = {
             "run_dir": str(run_dir), "steps": cfg.loop.steps, "final_version": version,
-            "eval_before": history.get("before"), "eval_after": history.get("last"),
+            "eval_before": self.history.get("before"), "eval_after": self.history.get("last"),
             "minutes": round(minutes, 2), "running_correct_rate": solved / seen if seen else None,
         }
         write_json(run_dir / "summary.json", summary)
         return run_dir
 
-    def _evaluator(self, eval_tasks):
+    def _start(self, resumed: bool, *, evaluated: bool) -> int:
+        """Publish the base policy (once, whatever crashes), wait for its quorum, evaluate it as step 0."""
+        cfg = self.config
+        start = self.run_dir / "start.json"
+        if resumed and start.exists():
+            self.base_version = json.loads(start.read_text())["base_version"]
+        else:  # written before publishing, so that a resumed run knows which version it published
+            published = self.client.pool().published_version
+            self.base_version = 0 if published is None else published + 1
+            write_json(start, {"base_version": self.base_version, "trainer_id": self.trainer_id})
+        self._publish(self.base_version, Path(cfg.model.path), checkpoint_digest(cfg.model.path))
+        self.on_event("quorum", {"version": self.base_version})
+        try:
+            self.client.wait_for_quorum(self.base_version, timeout=cfg.loop.quorum_timeout_s)
+        except ExchangeError as exc:
+            raise TrainingError(f"the base policy v{self.base_version}: {exc}") from None
+        if self.eval_tasks and not evaluated:
+            self.on_event("eval", {"step": 0})
+            self.history["before"] = self._evaluate(0)
+            self._write({"step": 0, "policy_version": self.base_version, **self.history["before"]}, [])
+        return self.base_version
+
+    def _evaluate(self, step: int) -> dict:
+        """Held-out evaluation of the current weights: its eval/* metrics; one evals.jsonl row per task."""
         from .evaluate import evaluate_policy
 
         e = self.config.eval
-
-        def evaluate(step: int) -> dict:
-            metrics, per_task = evaluate_policy(
-                self.learner, eval_tasks, samples=e.samples, temperature=e.temperature,
-                max_tokens=self.config.rollout.max_tokens, max_turns=e.max_turns, seed=self.config.rollout.seed)
-            with (self.run_dir / "evals.jsonl").open("a") as out:  # per task, for paired statistics
-                out.writelines(json.dumps({"step": step, **row}) + "\n" for row in per_task)
-            return metrics
-        return evaluate
+        metrics, per_task = evaluate_policy(
+            self.learner, self.eval_tasks, samples=e.samples, temperature=e.temperature,
+            max_tokens=self.config.rollout.max_tokens, max_turns=e.max_turns, seed=self.config.rollout.seed)
+        _append_jsonl(self.run_dir / "evals.jsonl", [{"step": step, **row} for row in per_task])  # paired statistics
+        return metrics
 
     def _row(self, step, version, g: StepGroups, metrics, correct_rate, seen, solved) -> dict:
         rewards = g.rewards
@@ -434,27 +614,35 @@ class Trainer:
             stack.callback(tracker.close)
         return trackers
 
-    def _write(self, run_dir: Path, row: dict, generations: list[dict]) -> None:
-        with (run_dir / "metrics.jsonl").open("a") as log:
-            log.write(json.dumps(row) + "\n")
+    def _write(self, row: dict, generations: list[dict]) -> None:
+        """A step's rows: generations first, the metrics row last (it marks the step as written)."""
+        _append_jsonl(self.run_dir / "generations.jsonl", generations)
+        _append_jsonl(self.run_dir / "metrics.jsonl", [row])
         numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for tracker in self.trackers:
             tracker.log(numeric, step=row["step"])
-        if generations:
-            with (run_dir / "generations.jsonl").open("a") as out:
-                out.writelines(json.dumps(g) + "\n" for g in generations)
 
-    def _restore_metrics(self, run_dir: Path, state: dict) -> None:
-        """A crash after the checkpoint and before its metrics row: write the row from the checkpoint."""
-        path = run_dir / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-        kept = [r for r in rows if r["step"] <= state["step"]]  # rows past the checkpoint are redone
-        if not any(r["step"] == state["step"] for r in kept):
-            kept.append(state["row"])
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    def _repair_files(self, step: int) -> bool:
+        """Make the run's files agree with its newest checkpoint (at `step`; 0: none) after a crash.
 
-    def _prune(self, checkpoints: Path, version: int) -> None:
-        for old in checkpoints.glob("v[0-9]*"):
+        Returns whether `step`'s metrics row exists (the step's rows were all written). Rows of steps
+        without a metrics row are dropped from every file, since that step is finished (or redone)
+        again, and so are rows a crash tore and duplicates; the evaluation history comes back from
+        the metrics rows.
+        """
+        metrics = _keep_rows(self.run_dir / "metrics.jsonl", lambda r: r["step"] <= step, lambda r: (r["step"],))
+        written = {r["step"] for r in metrics}
+        _keep_rows(self.run_dir / "generations.jsonl", lambda r: r["step"] in written,
+                   lambda r: (r["step"], r.get("group_id"), r.get("sample_index")))
+        _keep_rows(self.run_dir / "evals.jsonl", lambda r: r["step"] in written, lambda r: (r["step"], r.get("task_id")))
+        for row in metrics:
+            evaluated = {k: v for k, v in row.items() if k.startswith("eval/")}
+            if evaluated:
+                self.history["before" if row["step"] == 0 else "last"] = evaluated
+        return step in written
+
+    def _prune(self, version: int) -> None:
+        for old in (self.run_dir / "checkpoints").glob("v[0-9]*"):
             if int(old.name[1:]) <= version - self.config.loop.keep_checkpoints:
                 shutil.rmtree(old, ignore_errors=True)
 

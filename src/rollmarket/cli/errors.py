@@ -41,7 +41,7 @@ EXPECTED: tuple[Expected, ...] = (
     Expected("rollmarket.engines.provenance", "ModelLoadError", FAILURE,
              "pass a Hugging Face model directory with config.json and weights, such as models/tiny-moe"),
     Expected("rollmarket.train.loop", "TrainingError", FAILURE),
-    Expected("rollmarket.train.failpoints", "FailpointError", USAGE,
+    Expected("rollmarket.train.failpoints", "FailpointError", FAILURE,
              "ROLLMARKET_FAILPOINTS takes point[@step],... with the points docs/training.md lists"),
     Expected("rollmarket.train.trackers", "TrackerUnavailable", FAILURE,
              "install the tracker (pip install 'rollmarket[trackers]') or drop it from logging.trackers"),

@@ -58,6 +58,7 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
       rollmarket train cfg.toml exchange.url=http://127.0.0.1:8470   # workers run elsewhere
       rollmarket train --resume runs/20261126T101500Z-ab12cd --local
     """
+    from ..client import ExchangeUnreachable
     from ..train.config import TrainConfigError, resolve
     from ..train.loop import Trainer, TrainingError, resume_config
 
@@ -86,7 +87,7 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
     try:
         with console.status("training…", spinner="dots"):
             run_dir = trainer.run()
-    except (TrainingError, TrainConfigError) as exc:
+    except (TrainingError, TrainConfigError, ExchangeUnreachable) as exc:
         raise click.ClickException(str(exc)) from None
     summary = json.loads((run_dir / "summary.json").read_text())
     if line := accuracy_line(summary):

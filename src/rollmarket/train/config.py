@@ -123,6 +123,8 @@ class ExchangeSection(_Section):
     url: str | None = Field(None, description="Exchange base URL; None with --local starts one in-process.")
     token_env: str = Field("ROLLMARKET_TRAINER_TOKEN", description="Environment variable holding the trainer token.")
     trainer_id: str = Field("rollmarket-trainer", description="This trainer's id in decisions and feedback.")
+    wait_s: float = Field(300.0, ge=0, description="How long to wait for an exchange that does not answer "
+                                                   "at start before giving up.")
 
 
 class LoggingSection(_Section):

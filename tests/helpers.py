@@ -62,7 +62,11 @@ class ExchangeProcess:
         self._log_file = open(self.log, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        wait_healthy(self.url, self.proc, log=self.log, timeout=timeout)
+        try:
+            wait_healthy(self.url, self.proc, log=self.log, timeout=timeout)
+        except BaseException:
+            self.kill()  # a server that never became healthy must not outlive the test
+            raise
         return self
 
     def kill(self) -> None:
@@ -220,3 +224,27 @@ def assert_unchanged(before: Snapshot, after: Snapshot, *, audit: tuple[str, ...
     return new
 
 
+
+
+def last_seen(db: Path, worker_id: str) -> float:
+    """When the exchange last handled a call from `worker_id` (its liveness stamp, which every
+    heartbeat, lease attempt and renewal moves), read from outside the server."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT last_heartbeat_at FROM workers WHERE worker_id=?", (worker_id,)).fetchone()[0]
+    finally:
+        conn.close()
+
+
+def wait_until(what: str, condition, *, timeout: float = 60.0, every: float = 0.05):
+    """Poll `condition()` until it is truthy and return its value; fail after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)

@@ -19,12 +19,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import (
     TRAINER_TOKEN,
     job,
+    last_seen,
     lease_one,
     manifest,
     policy,
     ready_worker,
     sha,
     trajectories,
+    wait_until,
 )
 from rollmarket import TrainerClient, WorkerClient
 from rollmarket.client import Conflict, IntegrityError
@@ -118,9 +120,12 @@ def test_happy_path_register_publish_lease_submit_fetch_decide(exchange):
         answer["grant"] = worker.lease(wait_s=30)
         answer["at"] = time.monotonic()
 
+    seen = last_seen(exchange.db, "w1")
     asker = threading.Thread(target=ask, daemon=True)
     asker.start()
-    time.sleep(0.5)
+    # Wait until the exchange has handled the request (it stamps the worker as seen): from then
+    # on the queue is empty, so the request is long-polling, not yet sent.
+    wait_until("the lease request to reach the exchange", lambda: last_seen(exchange.db, "w1") > seen)
     assert asker.is_alive(), f"the lease request did not wait for work: {answer}"
     rollout_job = job(1)
     enqueued_at = time.monotonic()

@@ -53,6 +53,7 @@ KNOWN_WORKER_ROUTES = {
 KNOWN_TRAINER_ROUTES = {
     ("POST", "/v1/policies"), ("GET", "/v1/policies"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs"),
     ("GET", "/v1/groups"), ("GET", "/v1/groups/{group_id}"), ("POST", "/v1/groups/{group_id}/report"),
+    ("POST", "/v1/groups/reports"),
     ("GET", "/v1/pool"), ("GET", "/v1/workers"), ("GET", "/v1/audit"),
 }
 

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import msgpack

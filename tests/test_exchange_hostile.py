@@ -40,7 +40,7 @@ from helpers import (
 )
 
 from rollmarket import TrainerClient, WorkerClient
-from rollmarket.client.errors import Conflict, NotFound, Rejected
+from rollmarket.client.errors import Conflict, Rejected
 from rollmarket.contracts import ErrorBody, ErrorCode, LeaseGrant, RejectionReason, SubmissionReceipt
 from rollmarket.contracts.wire import JSON, MSGPACK, embed, packb
 from rollmarket.localhost import free_port

@@ -53,7 +53,7 @@ from ..contracts import (
     WorkerRegistration,
     WorkerSummary,
 )
-from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
+from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN, Identifier
 from ..contracts.limits import INT64_MAX, MAX_COUNT, MAX_NAME_LENGTH, MAX_VERSION, Name
 from ..contracts.wire import JSON, MSGPACK, embed, packb, unpackb
 from .codec import clip, parse, respond, wants_msgpack
@@ -83,6 +83,22 @@ class GroupReport(Record):
 
     decision: GroupDecision | None = None
     feedback: TrainerFeedback | None = None
+
+
+class GroupReportItem(GroupReport):
+    """One group's report inside a batch."""
+
+    group_id: Identifier
+
+
+class ReportBatch(Record):
+    """Reports on several groups in one call; all are recorded or none is."""
+
+    reports: list[GroupReportItem] = Field(min_length=1, max_length=1024)
+
+
+class ReportBatchResult(Record):
+    receipts: list[ReportReceipt] = Field(max_length=1024)
 
 
 class JobStateAnswer(Record):
@@ -178,7 +194,7 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 _BODY_MODELS: list[type[BaseModel]] = [WorkerManifest, WorkerHeartbeat, FailureReport, SampleGroup,
-                                       ReloadAck, PolicyManifest, JobBatch, GroupReport]
+                                       ReloadAck, PolicyManifest, JobBatch, GroupReport, ReportBatch]
 
 
 class _Timing:
@@ -415,6 +431,17 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         trainer_id = _trainer_id(report.feedback.trainer_id if report.feedback else None,
                                  request.headers.get("x-trainer-id"))
         return respond(request, await exchange.report(trainer_id, group_id, report.decision, report.feedback))
+
+    @app.post("/v1/groups/reports", tags=["trainer"], openapi_extra=_body(ReportBatch),
+              responses={200: {"model": ReportBatchResult}, **_ERRORS})
+    async def report_groups(request: Request) -> Response:
+        """Record decisions and feedback on several groups in one call (one write): all or none."""
+        exchange.require_trainer(authz(request))
+        batch, _, _ = await parse(request, ReportBatch, limit)
+        header = request.headers.get("x-trainer-id")
+        reports = [(_trainer_id(item.feedback.trainer_id if item.feedback else None, header), item.group_id,
+                    item.decision, item.feedback) for item in batch.reports]
+        return respond(request, ReportBatchResult(receipts=await exchange.report_many(reports)))
 
     @app.get("/v1/pool", tags=["trainer"], responses={200: {"model": PoolStatus}, **_ERRORS})
     async def pool_status(request: Request) -> Response:

@@ -1021,55 +1021,62 @@ class SqliteStore(Store):
 
         return await self._read(read)
 
+    def _report(self, conn: sqlite3.Connection, trainer_id: str, group_id: str, decision: GroupDecision | None,
+                feedback: TrainerFeedback | None, now: float) -> ReportReceipt:
+        row = conn.execute("SELECT worker_id, tier, status FROM groups WHERE group_id=?",
+                           (group_id,)).fetchone()
+        if row is None:
+            raise _fault(ErrorCode.not_found, f"unknown group {group_id}")
+        tier, status = row["tier"], row["status"]
+        if decision is not None:
+            conn.execute(
+                "INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?, ?, ?, ?, ?)",
+                (group_id, trainer_id, decision.status.value, decision.model_dump_json(), now),
+            )
+            if decision.status in (DecisionStatus.train, DecisionStatus.train_with_correction):
+                status = "consumed"
+            elif decision.status is DecisionStatus.replay:
+                tier = Tier.replay.value
+            elif decision.status is DecisionStatus.quarantine:
+                tier = Tier.quarantine.value
+            else:
+                status = "dropped"
+            conn.execute("UPDATE groups SET tier=?, status=? WHERE group_id=?", (tier, status, group_id))
+            self._audit(conn, now, "group.decided", trainer_id, group_id, {
+                "status": decision.status.value, "reasons": [r.value for r in decision.reasons],
+                "rejection_reasons": [r.value for r in decision.rejection_reasons],
+                "tier": tier, "group_status": status,
+                "token_ess": None if decision.report is None else decision.report.token_ess,
+            })
+        worker = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (row["worker_id"],)).fetchone()
+        quality = worker["quality"]
+        if feedback is not None:
+            alpha = self.settings.feedback_alpha
+            quality = (1 - alpha) * quality + alpha * feedback.score
+            conn.execute(
+                "UPDATE workers SET quality=?, feedback_count=feedback_count+1 WHERE worker_id=?",
+                (quality, row["worker_id"]),
+            )
+            conn.execute(
+                "INSERT INTO feedback (group_id, worker_id, trainer_id, score, body, received_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (group_id, row["worker_id"], trainer_id, feedback.score, feedback.model_dump_json(), now),
+            )
+            self._audit(conn, now, "feedback.recorded", trainer_id, row["worker_id"], {
+                "group_id": group_id, "score": feedback.score, "quality": quality,
+            })
+        return ReportReceipt(group_id=group_id, tier=tier, status=status,
+                             worker_id=row["worker_id"], worker_quality=quality)
+
     async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
                      feedback: TrainerFeedback | None, now: float) -> ReportReceipt:
-        def tx(conn: sqlite3.Connection) -> ReportReceipt:
-            row = conn.execute("SELECT worker_id, tier, status FROM groups WHERE group_id=?",
-                               (group_id,)).fetchone()
-            if row is None:
-                raise _fault(ErrorCode.not_found, f"unknown group {group_id}")
-            tier, status = row["tier"], row["status"]
-            if decision is not None:
-                conn.execute(
-                    "INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?, ?, ?, ?, ?)",
-                    (group_id, trainer_id, decision.status.value, decision.model_dump_json(), now),
-                )
-                if decision.status in (DecisionStatus.train, DecisionStatus.train_with_correction):
-                    status = "consumed"
-                elif decision.status is DecisionStatus.replay:
-                    tier = Tier.replay.value
-                elif decision.status is DecisionStatus.quarantine:
-                    tier = Tier.quarantine.value
-                else:
-                    status = "dropped"
-                conn.execute("UPDATE groups SET tier=?, status=? WHERE group_id=?", (tier, status, group_id))
-                self._audit(conn, now, "group.decided", trainer_id, group_id, {
-                    "status": decision.status.value, "reasons": [r.value for r in decision.reasons],
-                    "rejection_reasons": [r.value for r in decision.rejection_reasons],
-                    "tier": tier, "group_status": status,
-                    "token_ess": None if decision.report is None else decision.report.token_ess,
-                })
-            worker = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (row["worker_id"],)).fetchone()
-            quality = worker["quality"]
-            if feedback is not None:
-                alpha = self.settings.feedback_alpha
-                quality = (1 - alpha) * quality + alpha * feedback.score
-                conn.execute(
-                    "UPDATE workers SET quality=?, feedback_count=feedback_count+1 WHERE worker_id=?",
-                    (quality, row["worker_id"]),
-                )
-                conn.execute(
-                    "INSERT INTO feedback (group_id, worker_id, trainer_id, score, body, received_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    (group_id, row["worker_id"], trainer_id, feedback.score, feedback.model_dump_json(), now),
-                )
-                self._audit(conn, now, "feedback.recorded", trainer_id, row["worker_id"], {
-                    "group_id": group_id, "score": feedback.score, "quality": quality,
-                })
-            return ReportReceipt(group_id=group_id, tier=tier, status=status,
-                                 worker_id=row["worker_id"], worker_quality=quality)
+        return await self._write(lambda conn: self._report(conn, trainer_id, group_id, decision, feedback, now))
 
-        return await self._write(tx)
+    async def report_many(self, reports: list[tuple[str, str, GroupDecision | None, TrainerFeedback | None]],
+                          now: float) -> list[ReportReceipt]:
+        # One operation, so one savepoint: an unknown group anywhere rolls the whole batch back.
+        return await self._write(lambda conn: [self._report(conn, trainer_id, group_id, decision, feedback, now)
+                                               for trainer_id, group_id, decision, feedback in reports])
 
     # -- operations -----------------------------------------------------------------------
     async def reap(self, now: float) -> ReapResult:

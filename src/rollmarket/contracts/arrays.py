@@ -69,7 +69,9 @@ class ArraySpec:
                 "array_rank", "{name}: expected {ndim} dimension(s), got {got}",
                 {"name": self.name, "ndim": self.ndim, "got": array.ndim},
             )
-        if any(size > most for size, most in zip(array.shape, self.max_shape)):
+        shape = array.shape
+        if self.max_shape and (shape[0] > self.max_shape[0] or (
+                array.ndim > 1 and any(size > most for size, most in zip(shape[1:], self.max_shape[1:])))):
             raise PydanticCustomError(
                 "array_too_long", "{name}: shape {shape} exceeds the limit {limit}",
                 {"name": self.name, "shape": str(array.shape), "limit": str(self.max_shape)},

@@ -132,14 +132,21 @@ def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
 
 
 def _check_depth(value: Any) -> Any:
-    """`value` when its containers nest at most MAX_DEPTH deep; walked without recursion."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
+    """`value` when its containers nest at most MAX_DEPTH deep; walked level by level, without
+    recursion (and without per-item tuples: this runs on every msgpack request)."""
+    level = [value]
+    depth = 1
+    while level:
         if depth > MAX_DEPTH:
             raise NestingTooDeep(f"containers nest deeper than {MAX_DEPTH} levels")
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        below = []
+        for item in level:
+            for child in (item.values() if type(item) is dict else item):
+                kind = type(child)
+                if kind is dict or kind is list:
+                    below.append(child)
+        level = below
+        depth += 1
     return value
 
 

@@ -128,7 +128,7 @@ def _trainer_id(*candidates: str | None) -> str:
     that is not an id is refused like any other malformed parameter."""
     for value in candidates:
         if value is not None:
-            if len(value) > ID_MAX_LENGTH or not _TRAINER_ID.match(value):
+            if len(value) > ID_MAX_LENGTH or not _TRAINER_ID.fullmatch(value):
                 raise ExchangeFault(ErrorCode.invalid_request,
                                     "X-Trainer-Id must be an id: 1-128 of A-Z a-z 0-9 _ . : -",
                                     details={"errors": [{"loc": ["header", "x-trainer-id"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from rollmarket import TrainerClient, WorkerClient
 from rollmarket.localhost import free_port, wait_healthy
@@ -66,7 +68,11 @@ class ServiceProcess:
         return self
 
     def wait(self, timeout: float = 30.0) -> "ServiceProcess":
-        wait_healthy(self.url, self.proc, log=self.log, timeout=timeout, path=self.health)
+        try:
+            wait_healthy(self.url, self.proc, log=self.log, timeout=timeout, path=self.health)
+        except BaseException:
+            self.kill()  # a server that never became healthy must not outlive the test
+            raise
         return self
 
     def start(self, timeout: float = 30.0) -> "ServiceProcess":
@@ -120,7 +126,7 @@ class ExchangeProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "ExchangeProcess":
+    def start(self, timeout: float = 120.0) -> "ExchangeProcess":
         self.port = self.port or free_port()
         cmd = rollmarket_command("exchange", "serve", "--db", str(self.db), "--port", str(self.port),
                                  "--trainer-token", TRAINER_TOKEN, "--log-level", "warning", *self.args)
@@ -209,3 +215,90 @@ def served_model(model: Path, log: Path, *, precision: str = "bf16") -> Iterator
         yield server.url + "/v1"
     finally:
         server.stop()
+
+
+# -- database snapshots: bad input changes nothing -------------------------------------------
+
+STATE_TABLES = ("groups", "leases", "jobs", "workers", "policies", "reload_acks", "served",
+                "decisions", "feedback", "pool")
+"""Every table that holds exchange state; the audit log is compared separately."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    tables: dict[str, list[dict]]
+    audit: list[tuple]
+
+
+def snapshot(db: Path) -> Snapshot:
+    """Every row of every state table and of the audit log, read from outside the server."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        tables = {name: [dict(r) for r in conn.execute(f"SELECT * FROM {name} ORDER BY rowid")]
+                  for name in STATE_TABLES}
+        audit = [tuple(r) for r in conn.execute("SELECT seq, kind, actor, subject, data FROM audit ORDER BY seq")]
+    finally:
+        conn.close()
+    return Snapshot(tables, audit)
+
+
+FEEDBACK_ALPHA = 0.2
+"""The exchange's default --feedback-alpha."""
+
+
+def _without_rejection_accounting(before: list[dict], after: list[dict], worker_id: str) -> list[dict]:
+    """`after`'s worker rows with one gate rejection of `worker_id` undone, after checking that the
+    rejection cost that worker exactly one feedback score of 0 (quality *= 1 - alpha)."""
+    old = next(row for row in before if row["worker_id"] == worker_id)
+    undone = []
+    for row in after:
+        if row["worker_id"] == worker_id:
+            assert row["rejected_count"] == old["rejected_count"] + 1, "a rejection is counted once"
+            assert row["quality"] == pytest.approx((1 - FEEDBACK_ALPHA) * old["quality"], rel=1e-12)
+            row = {**row, "rejected_count": old["rejected_count"], "quality": old["quality"]}
+        undone.append(row)
+    return undone
+
+
+def assert_unchanged(before: Snapshot, after: Snapshot, *, audit: tuple[str, ...] = (),
+                     rejected_by: str | None = None) -> list[tuple]:
+    """No state table changed and the audit log gained exactly the events of kinds `audit`.
+
+    A gate rejection (`rejected_by`) is allowed one deliberate trace beyond its audit event: it
+    counts against the submitting worker's quality, so that dispatch stops preferring a worker
+    that sends bad groups. Nothing else about any worker may change. Returns the new audit rows.
+    """
+    for name in STATE_TABLES:
+        rows = after.tables[name]
+        if name == "workers" and rejected_by is not None:
+            rows = _without_rejection_accounting(before.tables[name], rows, rejected_by)
+        assert rows == before.tables[name], f"table {name} changed"
+    assert after.audit[:len(before.audit)] == before.audit, "existing audit events changed"
+    new = after.audit[len(before.audit):]
+    assert [row[1] for row in new] == list(audit), f"unexpected audit events: {new}"
+    return new
+
+
+def last_seen(db: Path, worker_id: str) -> float:
+    """When the exchange last handled a call from `worker_id` (its liveness stamp, which every
+    heartbeat, lease attempt and renewal moves), read from outside the server."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return conn.execute("SELECT last_heartbeat_at FROM workers WHERE worker_id=?", (worker_id,)).fetchone()[0]
+    finally:
+        conn.close()
+
+
+def wait_until(what: str, condition, *, timeout: float = 60.0, every: float = 0.05):
+    """Poll `condition()` until it is truthy and return its value; fail after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(every)

@@ -38,8 +38,8 @@ from helpers import (
 )
 
 from rollmarket import TrainerClient, WorkerClient
-from rollmarket.client.errors import Forbidden, Unauthorized
-from rollmarket.contracts import ErrorBody
+from rollmarket.client.errors import Forbidden, NotFound, Rejected, Unauthorized
+from rollmarket.contracts import ErrorBody, RejectionReason
 from rollmarket.exchange import auth
 
 CALM = ("--heartbeat-ttl-s", "3600", "--lease-ttl-s", "3600", "--reaper-interval-s", "0.1")
@@ -53,6 +53,7 @@ KNOWN_WORKER_ROUTES = {
 KNOWN_TRAINER_ROUTES = {
     ("POST", "/v1/policies"), ("GET", "/v1/policies"), ("POST", "/v1/jobs"), ("GET", "/v1/jobs"),
     ("GET", "/v1/groups"), ("GET", "/v1/groups/{group_id}"), ("POST", "/v1/groups/{group_id}/report"),
+    ("POST", "/v1/groups/reports"),
     ("GET", "/v1/pool"), ("GET", "/v1/workers"), ("GET", "/v1/audit"),
 }
 
@@ -302,17 +303,20 @@ def test_worker_cannot_ack_a_reload_as_another(pool: Pool):
 
 
 def test_worker_cannot_submit_to_or_fail_another_workers_lease(pool: Pool):
-    """w1 holds a lease. w2 cannot deliver for it, neither naming w1 nor naming itself, and
-    cannot give it back; the lease survives all of that and w1 then delivers under it."""
+    """w1 holds a lease. w2 cannot deliver for it, neither naming w1 (403: the group is not w2's
+    to send) nor naming itself (the lease is answered as unknown), and cannot give it back (404,
+    as for a lease never issued); the lease survives all of that and w1 then delivers under it."""
     grant = pool.lease_for_w1(1)
     as_w1 = pool.w1.seal(pool.w1.group_for(grant, trajectories(2)))
     as_w2 = as_w1.model_copy(update={"worker_id": "w2", "content_hash": None}).sealed()
     leases, groups = table(pool.server.db, "leases"), table(pool.server.db, "groups")
-    for group in (as_w1, as_w2):
-        with pytest.raises(Forbidden) as caught:
-            pool.w2.submit(group)
-        assert (caught.value.status, caught.value.code) == (403, "forbidden")
-    with pytest.raises(Forbidden):
+    with pytest.raises(Forbidden) as caught:
+        pool.w2.submit(as_w1)
+    assert (caught.value.status, caught.value.code) == (403, "forbidden")
+    with pytest.raises(Rejected) as rejected:
+        pool.w2.submit(as_w2)
+    assert rejected.value.rejection_reasons == [RejectionReason.unknown_lease]
+    with pytest.raises(NotFound):
         pool.w2.fail(grant.lease.lease_id, "engine_error", "not mine", retryable=False)
     assert table(pool.server.db, "leases") == leases
     assert table(pool.server.db, "groups") == groups

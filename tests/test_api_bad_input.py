@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import itertools
 import json
-import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import msgpack
@@ -31,12 +29,15 @@ import pytest
 from helpers import (
     TRAINER_TOKEN,
     ExchangeProcess,
+    Snapshot,
+    assert_unchanged,
     job,
     lease_one,
     manifest,
     policy,
     ready_worker,
     sha,
+    snapshot,
     trajectories,
 )
 
@@ -52,70 +53,8 @@ from rollmarket.contracts import (
 )
 from rollmarket.contracts.wire import JSON, MSGPACK, packb
 
-STATE_TABLES = ("groups", "leases", "jobs", "workers", "policies", "reload_acks", "served",
-                "decisions", "feedback", "pool")
-"""Every table that holds exchange state; the audit log is compared separately."""
-
 CALM = ("--heartbeat-ttl-s", "3600", "--lease-ttl-s", "3600", "--reaper-interval-s", "0.1")
 """Settings under which the reaper never changes anything while a test runs."""
-
-
-# -- database snapshots -------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Snapshot:
-    tables: dict[str, list[dict]]
-    audit: list[tuple]
-
-
-def snapshot(db: Path) -> Snapshot:
-    """Every row of every state table and of the audit log, read from outside the server."""
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    conn.row_factory = sqlite3.Row
-    try:
-        tables = {name: [dict(r) for r in conn.execute(f"SELECT * FROM {name} ORDER BY rowid")]
-                  for name in STATE_TABLES}
-        audit = [tuple(r) for r in conn.execute("SELECT seq, kind, actor, subject, data FROM audit ORDER BY seq")]
-    finally:
-        conn.close()
-    return Snapshot(tables, audit)
-
-
-FEEDBACK_ALPHA = 0.2
-"""The exchange's default --feedback-alpha."""
-
-
-def _without_rejection_accounting(before: list[dict], after: list[dict], worker_id: str) -> list[dict]:
-    """`after`'s worker rows with one gate rejection of `worker_id` undone, after checking that the
-    rejection cost that worker exactly one feedback score of 0 (quality *= 1 - alpha)."""
-    old = next(row for row in before if row["worker_id"] == worker_id)
-    undone = []
-    for row in after:
-        if row["worker_id"] == worker_id:
-            assert row["rejected_count"] == old["rejected_count"] + 1, "a rejection is counted once"
-            assert row["quality"] == pytest.approx((1 - FEEDBACK_ALPHA) * old["quality"], rel=1e-12)
-            row = {**row, "rejected_count": old["rejected_count"], "quality": old["quality"]}
-        undone.append(row)
-    return undone
-
-
-def assert_unchanged(before: Snapshot, after: Snapshot, *, audit: tuple[str, ...] = (),
-                     rejected_by: str | None = None) -> list[tuple]:
-    """No state table changed and the audit log gained exactly the events of kinds `audit`.
-
-    A gate rejection (`rejected_by`) is allowed one deliberate trace beyond its audit event: it
-    counts against the submitting worker's quality, so that dispatch stops preferring a worker
-    that sends bad groups. Nothing else about any worker may change. Returns the new audit rows.
-    """
-    for name in STATE_TABLES:
-        rows = after.tables[name]
-        if name == "workers" and rejected_by is not None:
-            rows = _without_rejection_accounting(before.tables[name], rows, rejected_by)
-        assert rows == before.tables[name], f"table {name} changed"
-    assert after.audit[:len(before.audit)] == before.audit, "existing audit events changed"
-    new = after.audit[len(before.audit):]
-    assert [row[1] for row in new] == list(audit), f"unexpected audit events: {new}"
-    return new
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -277,6 +216,10 @@ GATE_CASES = {
     # 8 prompt + 16 response tokens do not fit a context of 20.
     "context_overflow": (_override(), {"max_context_tokens": 20}, "context_overflow"),
     "unknown_lease_id": (_override(lease_id="lease_never_issued"), {}, "unknown_lease"),
+    # Provenance the lease does not constrain must still be what w1 registered (hf 1.0 on cpu).
+    "engine_name_not_registered": (_override(engine_name="vllm"), {}, "engine_mismatch"),
+    "engine_version_not_registered": (_override(engine_version="9.9"), {}, "engine_version_mismatch"),
+    "device_type_not_registered": (_override(device_type="h100"), {}, "device_mismatch"),
 }
 
 
@@ -461,18 +404,23 @@ def test_group_without_content_hash(market: Market):
     assert_unchanged(before, market.snapshot(), audit=("submission.rejected",), rejected_by="w1")
 
 
-def test_submitting_to_another_workers_lease_is_forbidden(market: Market):
-    """403 whether the group names the lease holder or the sender; no audit, no change."""
+def test_submitting_to_another_workers_lease(market: Market):
+    """A group naming the lease holder is 403 (it names a worker that is not the sender: no
+    lookup happens). A group naming the sender is answered exactly as for a lease never issued:
+    422 unknown_lease, its one audit event, and the lease untouched for its holder."""
     grant = market.grant()
     other = ready_worker(market.server.url, "w-other")
     try:
         theirs = market.worker.seal(market.worker.group_for(grant, trajectories(2)))
+        before = market.snapshot()
+        response = post(market.server.url, "/v1/groups", other.http.token, packb(theirs), MSGPACK)
+        error_of(response, 403, "forbidden")
+        assert_unchanged(before, market.snapshot())
         mine = theirs.model_copy(update={"worker_id": "w-other", "content_hash": None}).sealed()
-        for group in (theirs, mine):
-            before = market.snapshot()
-            response = post(market.server.url, "/v1/groups", other.http.token, packb(group), MSGPACK)
-            error_of(response, 403, "forbidden")
-            assert_unchanged(before, market.snapshot())
+        before = market.snapshot()
+        response = post(market.server.url, "/v1/groups", other.http.token, packb(mine), MSGPACK)
+        assert error_of(response, 422, "rejected").reasons == ["unknown_lease"]
+        assert_unchanged(before, market.snapshot(), audit=("submission.rejected",), rejected_by="w-other")
     finally:
         other.close()
     assert market.worker.submit(theirs).lease_id == grant.lease.lease_id

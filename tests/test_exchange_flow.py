@@ -19,20 +19,25 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers import (
     TRAINER_TOKEN,
     job,
+    last_seen,
     lease_one,
     manifest,
     policy,
     ready_worker,
     sha,
+    assert_unchanged,
+    snapshot,
     trajectories,
+    wait_until,
 )
 from rollmarket import TrainerClient, WorkerClient
-from rollmarket.client import Conflict, IntegrityError
+from rollmarket.client import Conflict, IntegrityError, NotFound
 from rollmarket.contracts import (
     DecisionStatus,
     NoLeaseReason,
     SampleGroup,
     Tier,
+    TrainerFeedback,
     content_hash,
 )
 from rollmarket.contracts.wire import packb, unpackb
@@ -118,9 +123,12 @@ def test_happy_path_register_publish_lease_submit_fetch_decide(exchange):
         answer["grant"] = worker.lease(wait_s=30)
         answer["at"] = time.monotonic()
 
+    seen = last_seen(exchange.db, "w1")
     asker = threading.Thread(target=ask, daemon=True)
     asker.start()
-    time.sleep(0.5)
+    # Wait until the exchange has handled the request (it stamps the worker as seen): from then
+    # on the queue is empty, so the request is long-polling, not yet sent.
+    wait_until("the lease request to reach the exchange", lambda: last_seen(exchange.db, "w1") > seen)
     assert asker.is_alive(), f"the lease request did not wait for work: {answer}"
     rollout_job = job(1)
     enqueued_at = time.monotonic()
@@ -397,6 +405,36 @@ def test_served_counts_are_per_trainer_and_undecided_groups_are_redelivered(star
     served = dict(stored_rows(server.db, "SELECT trainer_id, count FROM served WHERE group_id=?",
                               undecided.group_id))
     assert served == {"alice": 2, "bob": 1}
+
+
+def test_a_batch_of_reports_is_one_write_all_or_none(exchange):
+    """POST /v1/groups/reports records several decisions and feedbacks as single reports would;
+    a batch naming an unknown group is refused whole (404) and changes nothing."""
+    trainer = exchange.trainer(trainer_id="batcher")
+    trainer.publish_policy(policy(0))
+    worker = ready_worker(exchange.url)
+    groups = [deliver(trainer, worker, job(i), seed=i)[0] for i in range(3)]
+    fetched = [f.group for f in trainer.fetch(limit=8).groups]
+    agreeing = [decide(budget_report(g, [t.logprobs.astype(np.float64) for t in g.trajectories])) for g in fetched]
+    assert {d.status for d in agreeing} == {DecisionStatus.train}
+
+    before = snapshot(exchange.db)
+    with pytest.raises(NotFound):
+        trainer.report_many([(fetched[0].group_id, agreeing[0], True), ("grp_unknown", None, TrainerFeedback(
+            group_id="grp_unknown", trainer_id="batcher", status=DecisionStatus.train, score=1.0,
+            used_for_training=True))])
+    assert_unchanged(before, snapshot(exchange.db))
+
+    receipts = trainer.report_many([(g.group_id, d, True) for g, d in zip(fetched, agreeing)])
+    assert [(r.group_id, r.tier, r.status) for r in receipts] == [(g.group_id, "fresh", "consumed") for g in groups]
+    quality = 0.5
+    for _ in groups:
+        quality = 0.8 * quality + 0.2 * 1.0
+    assert receipts[-1].worker_quality == pytest.approx(quality)
+    decided = audit_events(trainer, kind="group.decided")
+    assert [e.subject for e in decided] == [g.group_id for g in groups]
+    assert len({e.at for e in decided}) == 1, "one write (one clock reading) for the whole batch"
+    assert trainer.pool().groups == {}
 
 
 def test_decisions_move_groups_between_tiers(exchange):

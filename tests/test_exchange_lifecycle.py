@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import job, lease_one, manifest, policy, ready_worker, sha, trajectories
+from helpers import job, last_seen, lease_one, manifest, policy, ready_worker, sha, trajectories
 from rollmarket import TrainerClient, WorkerClient
 from rollmarket.client import Conflict, DigestMismatch, Rejected
 from rollmarket.contracts import NoLeaseReason, RejectionReason, Tier
@@ -58,6 +58,8 @@ def worker_status(trainer: TrainerClient) -> dict[str, str]:
 # -- lease expiry and worker death ---------------------------------------------------------
 
 def test_an_expired_lease_is_requeued_and_leased_by_another_worker(start_exchange):
+    # Leases last 1.5 s until the slow worker's has expired; then the exchange restarts with long
+    # leases, so that on a loaded machine the quick worker's lease cannot run out before it submits.
     server = start_exchange("--lease-ttl-s", "1.5", "--reaper-interval-s", "0.2")
     trainer = server.trainer()
     trainer.publish_policy(policy(0))
@@ -83,6 +85,9 @@ def test_an_expired_lease_is_requeued_and_leased_by_another_worker(start_exchang
         submit_for(slow, grant)
     assert RejectionReason.expired_lease in caught.value.rejection_reasons
 
+    server.stop()
+    server.args = ["--lease-ttl-s", "3600", "--reaper-interval-s", "0.2"]
+    server.start()
     second = lease_one(quick)
     assert second.job.job_id == rollout_job.job_id and second.lease.lease_id != lease_id
     receipt = submit_for(quick, second, seed=1)
@@ -198,9 +203,10 @@ def test_k_of_n_reload_quorum_and_per_version_override(start_exchange):
 
     # w0 long-polls while the version waits for its quorum; the third ack releases the job to it.
     answer: dict = {}
+    seen = last_seen(server.db, "w0")
     poller = threading.Thread(target=lambda: answer.setdefault("grant", w0.lease(wait_s=30)), daemon=True)
     poller.start()
-    time.sleep(0.3)
+    wait_for("the long poll to reach the exchange", lambda: last_seen(server.db, "w0") > seen)
     assert poller.is_alive(), answer
     third = w2.ack_reload(0, sha("ckpt-0"))
     assert (third.aligned, third.acks, third.active_version) == (True, 3, 0)

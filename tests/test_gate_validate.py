@@ -23,11 +23,13 @@ from rollmarket.contracts import (
     SampleGroup,
     SamplingConfig,
     Trajectory,
+    WorkerManifest,
 )
 from rollmarket.gate import (
     GateConfig,
     check_against_lease,
     check_group,
+    check_provenance,
     generate_signing_key,
     hash_matches,
     load_public_key,
@@ -277,6 +279,51 @@ def test_every_lease_problem_is_reported_together():
         RR.fingerprint_mismatch, RR.group_size_mismatch, RR.context_overflow, RR.token_out_of_vocab]
 
 
+# --------------------------------------------------------------------------------------------
+# check_provenance: the group's engine must be the one its worker registered
+# --------------------------------------------------------------------------------------------
+
+def registered(**overrides) -> WorkerManifest:
+    """The manifest of the worker that sends `group()`: hf 1.0 on cpu at bf16, no quantization."""
+    fields = dict(worker_id="w1", engine_name="hf", engine_version="1.0", engine_fingerprint=FINGERPRINT,
+                  device_type="cpu", precision_classes=["bf16"], supported_tokenizer_hashes=[TOKENIZER],
+                  max_context_tokens=64)
+    return WorkerManifest(**{**fields, **overrides})
+
+
+def test_provenance_that_agrees_with_the_manifest_passes():
+    assert check_provenance(group(), registered()) == []
+    assert check_provenance(group(precision_class="fp8"), registered(precision_classes=["bf16", "fp8"])) == []
+
+
+@pytest.mark.parametrize("field,claimed,reason", [
+    ("engine_name", "vllm", RR.engine_mismatch),
+    ("engine_version", "0.9.2", RR.engine_version_mismatch),
+    ("device_type", "h100", RR.device_mismatch),
+    ("precision_class", "fp8", RR.precision_mismatch),
+    ("quantization_class", "fp8-e4m3", RR.quantization_mismatch),
+])
+def test_a_group_cannot_claim_what_its_worker_did_not_register(field, claimed, reason):
+    """The lease allows it (its requirements are met or silent), the manifest does not."""
+    findings = check_provenance(group(**{field: claimed}), registered())
+    assert reasons_of(findings) == [reason]
+    assert claimed in findings[0].message
+
+
+def test_check_against_lease_runs_the_provenance_check_when_given_the_manifest():
+    claims_vllm = group(engine_name="vllm")
+    assert lease_reasons(claims_vllm, lease(allowed_engines=[])) == []
+    findings = check_against_lease(claims_vllm, lease(allowed_engines=[]), now=NOW, acked_fingerprint=FINGERPRINT,
+                                   public_key=None, manifest=registered())
+    assert reasons_of(findings) == [RR.engine_mismatch]
+
+
+def test_fingerprint_before_any_ack_is_the_registered_one():
+    findings = check_against_lease(group(), lease(), now=NOW, acked_fingerprint=None, public_key=None,
+                                   manifest=registered(engine_fingerprint=sha("another build")))
+    assert reasons_of(findings) == [RR.fingerprint_mismatch]
+
+
 def test_lease_checks_and_group_checks_together_cover_the_reasons():
     """Every RejectionReason is produced by a test above, except unknown_lease (the store's)."""
     produced_here = {
@@ -286,7 +333,8 @@ def test_lease_checks_and_group_checks_together_cover_the_reasons():
         RR.tokenizer_mismatch, RR.precision_mismatch, RR.quantization_mismatch,
         RR.sampling_config_mismatch, RR.engine_not_allowed, RR.fingerprint_mismatch,
         RR.group_size_mismatch, RR.context_overflow, RR.token_out_of_vocab,
-        RR.missing_routed_experts, RR.bad_signature,
+        RR.missing_routed_experts, RR.bad_signature, RR.engine_mismatch, RR.engine_version_mismatch,
+        RR.device_mismatch,
     }
     assert set(RR) - produced_here == {RR.unknown_lease}
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helpers import job, lease_one, policy, ready_worker, trajectories
-from rollmarket.client import Conflict, Forbidden, NotFound
+from rollmarket.client import Conflict, NotFound
 
 
 def test_renewal_keeps_a_lease_past_its_ttl_and_the_group_is_accepted(start_exchange):
@@ -56,8 +56,10 @@ def test_only_the_owner_can_renew(start_exchange):
     trainer.enqueue(job(0))
     grant = lease_one(owner)
     before = trainer.audit(subject=grant.lease.lease_id).events
-    with pytest.raises(Forbidden):
+    # Another worker's lease is answered exactly as a lease that does not exist.
+    with pytest.raises(NotFound) as theirs:
         other.renew(grant.lease.lease_id)
-    with pytest.raises(NotFound):
+    with pytest.raises(NotFound) as nobodys:
         other.renew("lease_does_not_exist")
+    assert (theirs.value.message, theirs.value.details) == (nobodys.value.message, nobodys.value.details)
     assert trainer.audit(subject=grant.lease.lease_id).events == before

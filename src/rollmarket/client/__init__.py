@@ -5,6 +5,7 @@ from .errors import (
     DigestMismatch,
     ExchangeError,
     ExchangeUnavailable,
+    ExchangeUnreachable,
     Forbidden,
     IntegrityError,
     InvalidRequest,

@@ -29,6 +29,10 @@ class ExchangeUnavailable(ExchangeError):
     """The exchange could not be reached, or kept answering 5xx, within the retries."""
 
 
+class ExchangeUnreachable(ExchangeUnavailable):
+    """The exchange did not answer at all within the time a process waits for it at start."""
+
+
 class InvalidRequest(ExchangeError):
     """The request was malformed or did not fit the contract (400, 415, 422)."""
 

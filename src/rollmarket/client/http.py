@@ -1,33 +1,90 @@
-"""The HTTP plumbing both clients share: encoding, retries, typed errors."""
+"""The HTTP plumbing both clients share: encoding, retries with backoff, typed errors.
+
+Retries use tenacity: exponential backoff with jitter, bounded in attempts and in total time.
+What is retried:
+
+- a request that never left (the connection was refused or could not be opened): every call,
+  since the exchange cannot have acted on it;
+- any other transport failure and 502/503/504: only calls marked idempotent, which are safe to
+  repeat (heartbeats, reload acks, submissions — the exchange answers a resubmitted group with
+  its first receipt —, enqueues — idempotency keys —, policy publishes of the same content, reads).
+
+`wait_for_exchange` is for a process's first contact: it waits (with backoff, for minutes if need
+be) until the exchange answers, saying so in one log line every few seconds.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, TypeAdapter
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
 from ..contracts.wire import JSON, MSGPACK, packb, unpackb
-from .errors import ExchangeUnavailable, error_for
+from .errors import ExchangeUnavailable, ExchangeUnreachable, error_for
 
 log = logging.getLogger(__name__)
 M = TypeVar("M")
 
 Wire = Literal["msgpack", "json"]
-_RETRY_STATUS = {502, 503, 504}
+RETRY_STATUS = frozenset({502, 503, 504})
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+"""Transport errors after which the request certainly never reached the server."""
+
+
+class _RetryableStatus(Exception):
+    """A 502/503/504 answer, raised so that tenacity retries it; carries the last response."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(f"HTTP {response.status_code}")
+        self.response = response
+
+
+def describe(exc: BaseException) -> str:
+    """A short reason for a failed contact, for one log line: 'connection refused', 'HTTP 503'."""
+    if isinstance(exc, _RetryableStatus):
+        return str(exc)
+    if isinstance(exc, httpx.ConnectError):
+        text = str(exc).lower()
+        if "refused" in text:
+            return "connection refused"
+        if "name or service" in text or "nodename" in text or "name resolution" in text:
+            return "host not found"
+        return f"cannot connect: {exc}" if str(exc) else "cannot connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 class HttpClient:
-    """A thin httpx wrapper. Idempotent calls retry on connection errors and 502/503/504."""
+    """A thin httpx wrapper with typed errors and retries (see the module docstring).
+
+    `retries` bounds the attempts after the first, `retry_total_s` the time spent retrying one
+    call; waits grow from `backoff_initial_s` by doubling, with up to as much again of random
+    jitter, to at most `backoff_max_s`.
+    """
 
     def __init__(self, url: str, token: str | None = None, *, timeout: float = 60.0, retries: int = 4,
-                 wire: Wire = "msgpack", transport: httpx.BaseTransport | None = None):
+                 wire: Wire = "msgpack", transport: httpx.BaseTransport | None = None,
+                 retry_total_s: float = 30.0, backoff_initial_s: float = 0.1, backoff_max_s: float = 2.0):
         self.url = url.rstrip("/")
         self.token = token
         self.retries = retries
+        self.retry_total_s = retry_total_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
         self.wire = wire
         self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
                                   headers={"user-agent": "rollmarket-client"})
@@ -56,6 +113,10 @@ class HttpClient:
             return body.model_dump_json().encode(), JSON
         return json.dumps(body, default=lambda m: m.model_dump(mode="json")).encode(), JSON
 
+    def _wait(self) -> wait_exponential_jitter:
+        return wait_exponential_jitter(multiplier=self.backoff_initial_s, max=self.backoff_max_s,
+                                       jitter=self.backoff_initial_s)
+
     def call(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None,
              answer: type[M] | Any = None, idempotent: bool = False,
              headers: dict[str, str] | None = None, content: bytes | None = None) -> M | Any:
@@ -66,22 +127,77 @@ class HttpClient:
         elif content is not None:
             request_headers.setdefault("content-type", MSGPACK if self.wire == "msgpack" else JSON)
         params = {k: v for k, v in (params or {}).items() if v is not None}
-        attempts = self.retries + 1 if idempotent else 1
-        for attempt in range(attempts):
-            try:
-                response = self._http.request(method, path, content=content, params=params,
-                                              headers=request_headers)
-            except httpx.TransportError as exc:
-                if attempt + 1 >= attempts:
-                    raise ExchangeUnavailable(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
-                log.debug("retrying %s %s after %s", method, path, exc)
-                time.sleep(min(0.1 * 2**attempt, 2.0))
-                continue
-            if response.status_code in _RETRY_STATUS and attempt + 1 < attempts:
-                time.sleep(min(0.1 * 2**attempt, 2.0))
-                continue
-            return self._answer(response, answer)
-        raise AssertionError("unreachable")
+
+        def retryable(exc: BaseException) -> bool:
+            if isinstance(exc, _NOT_SENT):
+                return True
+            return idempotent and isinstance(exc, (httpx.TransportError, _RetryableStatus))
+
+        def send() -> httpx.Response:
+            response = self._http.request(method, path, content=content, params=params, headers=request_headers)
+            if response.status_code in RETRY_STATUS:
+                raise _RetryableStatus(response)
+            return response
+
+        def note(state: RetryCallState) -> None:
+            log.debug("retrying %s %s in %.2fs after %s", method, path, state.upcoming_sleep,
+                      describe(state.outcome.exception()))
+
+        retrying = Retrying(
+            stop=stop_after_attempt(self.retries + 1) | stop_after_delay(self.retry_total_s),
+            wait=self._wait(), retry=retry_if_exception(retryable), before_sleep=note, reraise=True,
+        )
+        try:
+            response = retrying(send)
+        except _RetryableStatus as last:
+            response = last.response
+        except httpx.TransportError as exc:
+            raise ExchangeUnavailable(f"{method} {path}: {describe(exc)}") from exc
+        return self._answer(response, answer)
+
+    def wait_for_exchange(self, give_up_after_s: float, *, say_every_s: float = 5.0,
+                          stop: threading.Event | None = None) -> None:
+        """Block until the exchange answers `GET /healthz`, backing off up to 5 s between tries.
+
+        While it does not, log one WARNING line — "waiting for the exchange at URL (reason);
+        retrying in Ns" — at most every `say_every_s`. Raise ExchangeUnreachable (one line, no
+        traceback needed) after `give_up_after_s`, or return early when `stop` is set.
+        """
+        said = [float("-inf")]
+        started = time.monotonic()
+
+        def healthy() -> None:
+            response = self._http.get("/healthz", headers={"accept": JSON})
+            if response.status_code != 200:
+                raise _RetryableStatus(response)
+
+        def say(state: RetryCallState) -> None:
+            now = time.monotonic()
+            if now - said[0] >= say_every_s:
+                said[0] = now
+                log.warning("waiting for the exchange at %s (%s); retrying in %.0fs", self.url,
+                            describe(state.outcome.exception()), max(state.upcoming_sleep, 1.0))
+
+        def stopped(state: RetryCallState) -> bool:
+            return stop is not None and stop.is_set()
+
+        retrying = Retrying(
+            stop=stop_after_delay(give_up_after_s) | stopped,
+            wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.5),
+            retry=retry_if_exception(lambda exc: isinstance(exc, (httpx.TransportError, _RetryableStatus))),
+            before_sleep=say, reraise=True, sleep=stop.wait if stop is not None else time.sleep,
+        )
+        try:
+            retrying(healthy)
+        except (httpx.TransportError, _RetryableStatus) as exc:
+            if stop is not None and stop.is_set():
+                return
+            raise ExchangeUnreachable(
+                f"the exchange at {self.url} did not answer for {time.monotonic() - started:.0f}s "
+                f"({describe(exc)}); start it with `rollmarket exchange serve`, or point the URL at it"
+            ) from None
+        if said[0] > float("-inf"):
+            log.warning("the exchange at %s answers; going on", self.url)
 
     @staticmethod
     def _decode(response: httpx.Response) -> Any:

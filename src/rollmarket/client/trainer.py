@@ -115,6 +115,24 @@ class TrainerClient:
         return self.http.call("POST", f"/v1/groups/{group_id}/report", body=body, answer=ReportReceipt,
                               headers={"x-trainer-id": self.trainer_id})
 
+    def report_many(self, reports: Iterable[tuple[str, GroupDecision | None, TrainerFeedback | None | bool]]
+                    ) -> list[ReportReceipt]:
+        """Several `report` calls in one request and one write: all are recorded or none is (an
+        unknown group refuses the batch). Each item is (group_id, decision, feedback) with
+        `feedback` as in `report`."""
+        items = []
+        for group_id, decision, feedback in reports:
+            if feedback is True:
+                if decision is None:
+                    raise ExchangeError("feedback=True needs a decision to derive it from")
+                feedback = TrainerFeedback.from_decision(decision, trainer_id=self.trainer_id)
+            elif feedback is False:
+                feedback = None
+            items.append({"group_id": group_id, "decision": decision, "feedback": feedback})
+        answer = self.http.call("POST", "/v1/groups/reports", body={"reports": items},
+                                headers={"x-trainer-id": self.trainer_id})
+        return [ReportReceipt.model_validate(r) for r in answer["receipts"]]
+
     def pool(self) -> PoolStatus:
         return self.http.call("GET", "/v1/pool", answer=PoolStatus, idempotent=True)
 

@@ -4,12 +4,11 @@ how the run ended, and what the verifier made of it."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
-
 from pydantic import Field
 
 from .arrays import Logprobs, RoutedExperts, TokenIds
 from .base import Record
+from .limits import MAX_ITEMS, MAX_NAMES, Count, Int64, JsonObject, Key, Name, Text
 
 
 class TerminalReason(str, Enum):
@@ -48,8 +47,8 @@ class ToolOutcome(str, Enum):
 class ToolResult(Record):
     """What a tool call produced: the text the model sees next, and how it went."""
 
-    name: str
-    content: str = Field(description="The tool message content fed back to the model.")
+    name: Name
+    content: Text = Field(description="The tool message content fed back to the model.")
     outcome: ToolOutcome = ToolOutcome.ok
     elapsed_s: float = Field(default=0.0, ge=0)
     truncated: bool = Field(default=False, description="True when the output was cut to the size limit.")
@@ -62,10 +61,10 @@ class ToolResult(Record):
 class ToolCallRecord(Record):
     """One tool call the model made and its result."""
 
-    id: str = Field(description="The call id the model (or the server's parser) gave it.")
-    name: str
-    raw_arguments: str = Field(description="The arguments exactly as the model wrote them.")
-    arguments: dict[str, Any] | None = Field(
+    id: Key = Field(description="The call id the model (or the server's parser) gave it.")
+    name: Name
+    raw_arguments: Text = Field(description="The arguments exactly as the model wrote them.")
+    arguments: JsonObject | None = Field(
         default=None, description="The parsed arguments; None when they were not a JSON object."
     )
     result: ToolResult
@@ -74,7 +73,7 @@ class ToolCallRecord(Record):
 class AgentStep(Record):
     """One assistant turn: the request's prompt ids and the response exactly as the engine returned them."""
 
-    index: int = Field(ge=0)
+    index: Count
     prompt_token_ids: TokenIds | None = Field(
         default=None, description="int32 [P_i]: the whole context of this turn, as the engine tokenized it."
     )
@@ -83,10 +82,10 @@ class AgentStep(Record):
     routed_experts: RoutedExperts | None = Field(
         default=None, description="int16 [R_i, L, K]: experts that produced each sampled token (MoE)."
     )
-    content: str = Field(default="", description="The assistant text (tool-call markup removed).")
-    reasoning: str | None = None
-    tool_calls: list[ToolCallRecord] = Field(default_factory=list)
-    finish_reason: str = Field(description="The engine's finish reason for this turn.")
+    content: Text = Field(default="", description="The assistant text (tool-call markup removed).")
+    reasoning: Text | None = None
+    tool_calls: list[ToolCallRecord] = Field(default_factory=list, max_length=MAX_NAMES)
+    finish_reason: Name = Field(description="The engine's finish reason for this turn.")
     latency_s: float = Field(default=0.0, ge=0)
 
     @property
@@ -99,22 +98,23 @@ class VerifyResult(Record):
 
     reward: float
     passed: bool = Field(description="Whether the answer counts as right: what pass@k and majority@k count.")
-    components: dict[str, float] = Field(default_factory=dict)
-    info: dict[str, Any] = Field(default_factory=dict)
+    components: dict[Name, float] = Field(default_factory=dict, max_length=MAX_NAMES)
+    info: JsonObject = Field(default_factory=dict)
 
 
 class AgentTrajectory(Record):
     """One agent run of one task: the conversation, every turn's ids, and its reward."""
 
-    task_id: str
-    sample_index: int = Field(default=0, ge=0)
-    seed: int | None = None
-    model: str = Field(default="", description="The model name the server reported.")
-    messages: list[dict[str, Any]] = Field(description="The whole conversation, prompt included, as sent.")
-    steps: list[AgentStep] = Field(default_factory=list)
-    final_answer: str | None = Field(default=None, description="The last assistant text, if the run ended on one.")
+    task_id: Key
+    sample_index: Count = 0
+    seed: Int64 | None = None
+    model: Key = Field(default="", description="The model name the server reported.")
+    messages: list[JsonObject] = Field(max_length=MAX_ITEMS,
+                                       description="The whole conversation, prompt included, as sent.")
+    steps: list[AgentStep] = Field(default_factory=list, max_length=MAX_ITEMS)
+    final_answer: Text | None = Field(default=None, description="The last assistant text, if the run ended on one.")
     terminal_reason: TerminalReason
-    error: str | None = Field(default=None, description="What went wrong, for model_error and aborted.")
+    error: Text | None = Field(default=None, description="What went wrong, for model_error and aborted.")
     verification: VerifyResult | None = None
     wall_time_s: float = Field(default=0.0, ge=0)
 

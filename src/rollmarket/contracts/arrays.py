@@ -16,6 +16,8 @@ import numpy as np
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic_core import PydanticCustomError, core_schema
 
+from .limits import MAX_LAYERS, MAX_TOKENS
+
 
 @lru_cache(maxsize=64)
 def _dtype_bounds(dtype: np.dtype) -> tuple[float, float]:
@@ -39,6 +41,8 @@ class ArraySpec:
     """numpy dtype kinds accepted before casting (``i`` signed, ``u`` unsigned, ``f`` float, ``b`` bool)."""
     min_value: float | None = None
     max_value: float | None = None
+    max_shape: tuple[int, ...] = ()
+    """The longest each axis may be (docs/contracts.md, 'Limits'); empty for no limit."""
 
     def validate(self, value: Any) -> np.ndarray:
         if isinstance(value, np.ndarray):
@@ -64,6 +68,13 @@ class ArraySpec:
             raise PydanticCustomError(
                 "array_rank", "{name}: expected {ndim} dimension(s), got {got}",
                 {"name": self.name, "ndim": self.ndim, "got": array.ndim},
+            )
+        shape = array.shape
+        if self.max_shape and (shape[0] > self.max_shape[0] or (
+                array.ndim > 1 and any(size > most for size, most in zip(shape[1:], self.max_shape[1:])))):
+            raise PydanticCustomError(
+                "array_too_long", "{name}: shape {shape} exceeds the limit {limit}",
+                {"name": self.name, "shape": str(array.shape), "limit": str(self.max_shape)},
             )
         if array.dtype.kind not in self.kinds:
             raise PydanticCustomError(
@@ -118,8 +129,10 @@ class ArraySpec:
             item["minimum"] = self.min_value
         if self.max_value is not None:
             item["maximum"] = self.max_value
-        for _ in range(self.ndim):
+        for axis in reversed(range(self.ndim)):
             item = {"type": "array", "items": item}
+            if axis < len(self.max_shape):
+                item["maxItems"] = self.max_shape[axis]
         item["description"] = (
             f"{self.dtype} array of rank {self.ndim}; msgpack carries it as raw "
             "little-endian bytes (ext type 1), JSON as nested lists"
@@ -127,10 +140,10 @@ class ArraySpec:
         return item
 
 
-TOKEN_IDS = ArraySpec("token_ids", "int32", 1, "iu", 0, 2**31 - 1)
-LOGPROBS = ArraySpec("logprobs", "float32", 1, "fiu")
-MASK = ArraySpec("mask", "uint8", 1, "iub", 0, 1)
-ROUTED_EXPERTS = ArraySpec("routed_experts", "int16", 3, "iu", 0, 2**15 - 1)
+TOKEN_IDS = ArraySpec("token_ids", "int32", 1, "iu", 0, 2**31 - 1, (MAX_TOKENS,))
+LOGPROBS = ArraySpec("logprobs", "float32", 1, "fiu", max_shape=(MAX_TOKENS,))
+MASK = ArraySpec("mask", "uint8", 1, "iub", 0, 1, (MAX_TOKENS,))
+ROUTED_EXPERTS = ArraySpec("routed_experts", "int16", 3, "iu", 0, 2**15 - 1, (MAX_TOKENS, MAX_LAYERS, MAX_LAYERS))
 
 TokenIds = Annotated[np.ndarray, TOKEN_IDS]
 """int32 [T]: token ids, never re-tokenized text."""

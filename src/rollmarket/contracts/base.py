@@ -13,12 +13,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 CONTRACT_VERSION = "rollmarket.contracts/1"
 """Bumped when a wire-visible change breaks old peers; workers and exchanges compare it."""
 
-Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+Sha256Hex = Annotated[str, StringConstraints(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 """A lowercase sha256 digest in hex."""
 
-Identifier = Annotated[
-    str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
-]
+ID_PATTERN = r"^[A-Za-z0-9_.:\-]+$"
+ID_MAX_LENGTH = 128
+Identifier = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
 """Ids that travel in URLs and logs: letters, digits and `_ . : -`."""
 
 
@@ -30,7 +30,10 @@ def _as_utc(value: datetime) -> datetime:
     # Naive datetimes are taken to be UTC so that a timestamp hashes the same on every host.
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError:  # 0001-01-01T00:00+05:00 has no UTC time; a validation error, not a crash
+        raise ValueError("the time lies outside the years 1-9999 in UTC") from None
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(_as_utc)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import Record
+from .limits import Count, Key, Version
 
 
 class BudgetReport(Record):
@@ -13,9 +14,9 @@ class BudgetReport(Record):
     Δ_t = logπ_trainer − logπ_rollout over valid tokens (action and not tool output).
     """
 
-    group_id: str
-    n_tokens: int = Field(ge=0, description="Valid tokens the statistics cover.")
-    n_sequences: int = Field(ge=0)
+    group_id: Key
+    n_tokens: Count = Field(description="Valid tokens the statistics cover.")
+    n_sequences: Count
     clamp: float = Field(description="c in w_t = exp(clip(Δ_t, −c, c)).")
     token_ess: float = Field(description="(Σw)² / (n Σw²) over tokens, in (0, 1].")
     sequence_ess: float = Field(description="The same over per-sequence weights exp(clip(ΣΔ)).")
@@ -33,4 +34,4 @@ class BudgetReport(Record):
     router_flip_rate: float | None = Field(
         default=None, description="Share of (token, MoE layer) positions whose top-1 expert differs."
     )
-    policy_lag_steps: int = Field(default=0, ge=0)
+    policy_lag_steps: Version = 0

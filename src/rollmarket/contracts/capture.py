@@ -8,12 +8,12 @@ Token arrays are numpy like every other contract: binary (msgpack ext) at rest, 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
 
 from pydantic import Field
 
 from .arrays import Logprobs, RoutedExperts, TokenIds
 from .base import Identifier, Record, UtcDatetime, new_id
+from .limits import MAX_ITEMS, MAX_NAMES, Count, JsonData, JsonObject, Key, Name, Text, Url
 
 
 class CaptureOutcome(str, Enum):
@@ -47,21 +47,21 @@ class ConversationSource(str, Enum):
 class CapturedToolCall(Record):
     """One tool call the model made, as the upstream parsed it."""
 
-    id: str | None = None
-    name: str
-    arguments: str = Field(description="The arguments exactly as the upstream returned them (usually JSON text).")
+    id: Key | None = None
+    name: Name
+    arguments: Text = Field(description="The arguments exactly as the upstream returned them (usually JSON text).")
 
 
 class CapturedChoice(Record):
     """One sampled continuation of a call (`n` of them per call)."""
 
-    index: int = Field(ge=0)
-    content: str | None = Field(
+    index: Count
+    content: Text | None = Field(
         default=None, description="Chat: the assistant message content; completions: the generated text."
     )
-    reasoning_content: str | None = Field(default=None, description="Reasoning text, where the upstream splits it off.")
-    tool_calls: list[CapturedToolCall] = Field(default_factory=list)
-    finish_reason: str | None = Field(
+    reasoning_content: Text | None = Field(default=None, description="Reasoning text, where the upstream splits it off.")
+    tool_calls: list[CapturedToolCall] = Field(default_factory=list, max_length=MAX_NAMES)
+    finish_reason: Name | None = Field(
         default=None, description="As the upstream said it: stop, length, tool_calls, or whatever else it uses."
     )
     response_token_ids: TokenIds | None = Field(default=None, description="int32 [T]: the tokens the engine sampled.")
@@ -103,46 +103,47 @@ class Capture(Record):
     """One call through the capture proxy."""
 
     capture_id: Identifier = Field(default_factory=lambda: new_id("cap"))
-    conversation_id: str = Field(max_length=256, description="Shared by every turn of one conversation.")
+    conversation_id: Key = Field(description="Shared by every turn of one conversation.")
     conversation_source: ConversationSource
-    parent_capture_id: str | None = Field(
+    parent_capture_id: Key | None = Field(
         default=None, description="The capture whose messages and reply this call's messages continue."
     )
-    parent_choice: int | None = Field(default=None, description="Which choice of the parent was continued.")
-    turn_index: int = Field(ge=0, description="Assistant messages in the request: 0 for a first turn.")
-    prefix_hash: str | None = Field(
+    parent_choice: Count | None = Field(default=None, description="Which choice of the parent was continued.")
+    turn_index: Count = Field(description="Assistant messages in the request: 0 for a first turn.")
+    prefix_hash: Key | None = Field(
         default=None, description="sha256 of the normalized messages up to the last assistant message (chat only)."
     )
-    endpoint: str = Field(description="The path called, e.g. /v1/chat/completions.")
+    endpoint: Url = Field(description="The path called, e.g. /v1/chat/completions.")
     stream: bool = False
-    upstream: str = Field(description="Base URL of the upstream server.")
-    model: str | None = Field(default=None, description="The model the client asked for.")
-    upstream_model: str | None = Field(default=None, description="The model the upstream said answered.")
-    messages: list[dict[str, Any]] | None = Field(
-        default=None, description="Chat: the messages as the client sent them."
+    upstream: Url = Field(description="Base URL of the upstream server.")
+    model: Key | None = Field(default=None, description="The model the client asked for.")
+    upstream_model: Key | None = Field(default=None, description="The model the upstream said answered.")
+    messages: list[JsonObject] | None = Field(
+        default=None, max_length=MAX_ITEMS, description="Chat: the messages as the client sent them."
     )
-    tools: list[dict[str, Any]] | None = Field(default=None, description="Chat: the tools offered, as sent.")
-    prompt: Any = Field(default=None, description="Completions: the prompt as sent (text, ids or a list of them).")
-    params: dict[str, Any] = Field(
+    tools: list[JsonObject] | None = Field(default=None, max_length=MAX_NAMES,
+                                           description="Chat: the tools offered, as sent.")
+    prompt: JsonData = Field(default=None, description="Completions: the prompt as sent (text, ids or a list of them).")
+    params: JsonObject = Field(
         default_factory=dict, description="Every other field of the client's request (sampling, n, stop, ...)."
     )
-    augmented: list[str] = Field(
-        default_factory=list,
+    augmented: list[Name] = Field(
+        default_factory=list, max_length=MAX_NAMES,
         description="Request fields the proxy added because the client did not ask (logprobs, "
         "return_token_ids, return_routed_experts, stream_options.include_usage).",
     )
     prompt_token_ids: TokenIds | None = Field(default=None, description="int32 [P]: the prompt as the engine saw it.")
-    choices: list[CapturedChoice] = Field(default_factory=list)
-    usage: dict[str, Any] | None = None
-    status_code: int = Field(description="The HTTP status the client received.")
+    choices: list[CapturedChoice] = Field(default_factory=list, max_length=MAX_ITEMS)
+    usage: JsonObject | None = None
+    status_code: int = Field(ge=100, le=599, description="The HTTP status the client received.")
     outcome: CaptureOutcome = CaptureOutcome.ok
-    error: Any = Field(
+    error: JsonData = Field(
         default=None,
         description="The error body the client received (the upstream's, parsed when JSON), or the "
         "error event of a stream.",
     )
-    notes: list[str] = Field(
-        default_factory=list, description="What the proxy could not read from the upstream's answer, if anything."
+    notes: list[Text] = Field(
+        default_factory=list, max_length=MAX_NAMES, description="What the proxy could not read from the upstream's answer, if anything."
     )
     timings: CaptureTimings
 

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from .base import Identifier, Record, UtcDatetime, utc_now
 from .budget import BudgetReport
+from .limits import MAX_NAMES, Name
 
 
 class DecisionStatus(str, Enum):
@@ -51,11 +52,20 @@ class RejectionReason(str, Enum):
     checkpoint_mismatch = "checkpoint_mismatch"
     tokenizer_mismatch = "tokenizer_mismatch"
     precision_mismatch = "precision_mismatch"
+    """The group's precision class differs from the lease's, or is not one its worker registered."""
     quantization_mismatch = "quantization_mismatch"
+    """The same for the quantization class."""
     sampling_config_mismatch = "sampling_config_mismatch"
     engine_not_allowed = "engine_not_allowed"
+    engine_mismatch = "engine_mismatch"
+    """The group's engine_name differs from the one its worker registered."""
+    engine_version_mismatch = "engine_version_mismatch"
+    """The group's engine_version differs from the one its worker registered."""
+    device_mismatch = "device_mismatch"
+    """The group's device_type differs from the one its worker registered."""
     fingerprint_mismatch = "fingerprint_mismatch"
-    """The group's engine fingerprint differs from the one the worker acked for this version."""
+    """The group's engine fingerprint differs from the one the worker acked for this version
+    (or, before any ack, from the one in its manifest)."""
     group_size_mismatch = "group_size_mismatch"
     missing_token_ids = "missing_token_ids"
     missing_logprobs = "missing_logprobs"
@@ -78,11 +88,11 @@ class GroupDecision(Record):
 
     group_id: Identifier
     status: DecisionStatus
-    recommended_action: str = Field(description="What the trainer should do, in words.")
-    reasons: list[DecisionReason] = Field(default_factory=list)
-    rejection_reasons: list[RejectionReason] = Field(default_factory=list)
+    recommended_action: Name = Field(description="What the trainer should do, in words.")
+    reasons: list[DecisionReason] = Field(default_factory=list, max_length=MAX_NAMES)
+    rejection_reasons: list[RejectionReason] = Field(default_factory=list, max_length=MAX_NAMES)
     report: BudgetReport | None = None
-    decided_by: str = Field(default="gate", description="Who decided: gate, a trainer id, an operator.")
+    decided_by: Name = Field(default="gate", description="Who decided: gate, a trainer id, an operator.")
     decided_at: UtcDatetime = Field(default_factory=utc_now)
 
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
-
 from pydantic import Field
 
 from .base import Record
+from .limits import MAX_NAMES, JsonObject, Message, Name
 
 
 class ErrorCode(str, Enum):
@@ -38,9 +37,9 @@ class ErrorCode(str, Enum):
 
 class ErrorDetail(Record):
     code: ErrorCode
-    message: str
-    reasons: list[str] = Field(default_factory=list)
-    details: dict[str, Any] = Field(default_factory=dict)
+    message: Message
+    reasons: list[Name] = Field(default_factory=list, max_length=MAX_NAMES)
+    details: JsonObject = Field(default_factory=dict)
 
 
 class ErrorBody(Record):

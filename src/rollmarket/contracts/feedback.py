@@ -6,6 +6,7 @@ from pydantic import Field
 
 from .base import Identifier, Record, UtcDatetime, utc_now
 from .decision import DecisionStatus
+from .limits import Name
 
 FEEDBACK_SCORE = {
     DecisionStatus.train: 1.0,
@@ -50,8 +51,8 @@ class TrainerFeedback(Record):
 class ReportReceipt(Record):
     """Where a group stands after a trainer's decision and feedback."""
 
-    group_id: str
-    tier: str
-    status: str
-    worker_id: str
+    group_id: Identifier
+    tier: Name
+    status: Name
+    worker_id: Identifier
     worker_quality: float = Field(description="The worker's feedback quality after this report.")

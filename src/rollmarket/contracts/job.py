@@ -9,6 +9,23 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from .base import Identifier, Record, Sha256Hex, UtcDatetime, canonical_json, new_id
+from .limits import (
+    MAX_GROUP_SIZE,
+    MAX_ITEMS,
+    MAX_NAMES,
+    MAX_PRIORITY,
+    MAX_TOKENS,
+    Count,
+    Int64,
+    JsonData,
+    JsonObject,
+    Key,
+    Message,
+    Name,
+    Text,
+    TokenCount,
+    Version,
+)
 from .policy import PolicyManifest
 
 
@@ -16,24 +33,25 @@ class TaskSpec(Record):
     """One task: what the agent is asked and how its answer is checked."""
 
     task_id: Identifier
-    prompt: str | None = Field(default=None, description="A plain prompt; or give messages.")
-    messages: list[dict[str, Any]] | None = Field(
-        default=None, description="OpenAI-style chat messages."
+    prompt: Text | None = Field(default=None, description="A plain prompt; or give messages.")
+    messages: list[JsonObject] | None = Field(
+        default=None, max_length=MAX_ITEMS, description="OpenAI-style chat messages."
     )
-    tools: list[str] = Field(default_factory=list, description="Tool names the agent may call.")
-    verifier: str = Field(min_length=1, description="Name of the verifier that scores answers.")
-    answer: Any = Field(default=None, description="Expected answer, as the verifier reads it.")
-    verifier_args: dict[str, Any] = Field(
+    tools: list[Name] = Field(default_factory=list, max_length=MAX_NAMES,
+                              description="Tool names the agent may call.")
+    verifier: Name = Field(min_length=1, description="Name of the verifier that scores answers.")
+    answer: JsonData = Field(default=None, description="Expected answer, as the verifier reads it.")
+    verifier_args: JsonObject = Field(
         default_factory=dict,
         description="Options of the verifier: a tolerance, a JSON Schema, expected tool calls, "
         "the components of a compound reward.",
     )
-    files: dict[str, str] = Field(
-        default_factory=dict,
+    files: dict[Key, Text] = Field(
+        default_factory=dict, max_length=MAX_ITEMS,
         description="The task's directory, relative path -> text; read_file and python_eval see "
         "only these files.",
     )
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JsonObject = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _has_input(self) -> "TaskSpec":
@@ -47,10 +65,10 @@ class SamplingConfig(Record):
 
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k.")
-    max_tokens: int = Field(default=512, ge=1)
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
+    top_k: int = Field(default=-1, ge=-1, le=2**31 - 1, description="-1 disables top-k.")
+    max_tokens: int = Field(default=512, ge=1, le=MAX_TOKENS)
+    seed: Int64 | None = None
+    stop: list[Name] = Field(default_factory=list, max_length=MAX_NAMES)
 
     def digest(self) -> str:
         return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
@@ -61,28 +79,27 @@ class RolloutJob(Record):
 
     job_id: Identifier = Field(default_factory=lambda: new_id("job"))
     task: TaskSpec
-    policy_version: int = Field(
-        ge=0, description="Oldest policy version that may serve this job."
-    )
-    group_size: int = Field(ge=1, le=1024)
+    policy_version: Version = Field(description="Oldest policy version that may serve this job.")
+    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
     sampling_config: SamplingConfig = Field(default_factory=SamplingConfig)
     sampling_config_hash: Sha256Hex = Field(
         default=None, description="sha256 of the canonical sampling config; filled in if absent."
     )  # type: ignore[assignment]
-    required_precision: str | None = Field(
+    required_precision: Name | None = Field(
         default=None, description="Precision class; None means the policy's."
     )
-    required_quantization: str | None = Field(
+    required_quantization: Name | None = Field(
         default=None, description="Quantization class; None means the policy's."
     )
-    allowed_engines: list[str] = Field(default_factory=list, description="Empty allows any.")
-    max_context_tokens: int = Field(default=4096, ge=1)
+    allowed_engines: list[Name] = Field(default_factory=list, max_length=MAX_NAMES,
+                                        description="Empty allows any.")
+    max_context_tokens: int = Field(default=4096, ge=1, le=MAX_TOKENS)
     requires_routed_experts: bool = False
     idempotency_key: str = Field(
         default=None, min_length=1, max_length=256,
         description="Enqueueing the same key twice yields one job; defaults to job_id.",
     )  # type: ignore[assignment]
-    priority: int = Field(default=0, description="Higher is leased first.")
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY, description="Higher is leased first.")
     deadline: UtcDatetime | None = Field(
         default=None, description="After this the job is dropped instead of re-queued."
     )
@@ -125,17 +142,17 @@ class LeaseState(str, Enum):
 class LeaseRequirements(Record):
     """What a submission under this lease must match; fixed when the lease is issued."""
 
-    policy_version: int
+    policy_version: Version
     checkpoint_digest: Sha256Hex
     tokenizer_hash: Sha256Hex
-    precision_class: str
-    quantization_class: str
-    group_size: int
-    max_context_tokens: int
+    precision_class: Name
+    quantization_class: Name
+    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
+    max_context_tokens: TokenCount
     sampling_config_hash: Sha256Hex
-    allowed_engines: list[str]
+    allowed_engines: list[Name] = Field(max_length=MAX_NAMES)
     requires_routed_experts: bool
-    vocab_size: int | None
+    vocab_size: int | None = Field(ge=1, le=2**31 - 1)
 
 
 class RolloutLease(Record):
@@ -144,7 +161,7 @@ class RolloutLease(Record):
     lease_id: Identifier
     job_id: Identifier
     worker_id: Identifier
-    policy_version: int
+    policy_version: Version
     requirements: LeaseRequirements
     issued_at: UtcDatetime
     expires_at: UtcDatetime
@@ -171,8 +188,8 @@ class LeaseGrant(Record):
     job: RolloutJob | None = None
     policy: PolicyManifest | None = None
     reason: NoLeaseReason | None = None
-    detail: str | None = None
-    retry_after_s: float | None = None
+    detail: Message | None = None
+    retry_after_s: float | None = Field(default=None, ge=0)
 
 
 class FailureKind(str, Enum):
@@ -195,7 +212,7 @@ class FailureReport(Record):
 class EnqueueReceipt(Record):
     """Per job: its id and whether this call created it or found it already there."""
 
-    job_id: str
+    job_id: Identifier
     created: bool
 
 
@@ -203,8 +220,8 @@ class JobView(Record):
     """A job as the exchange tracks it."""
 
     job: RolloutJob
-    state: str = Field(description="queued, leased, done, failed or expired.")
-    attempts: int
+    state: Name = Field(description="queued, leased, done, failed or expired.")
+    attempts: Count
     queued_at: UtcDatetime
-    group_id: str | None = None
+    group_id: Identifier | None = None
 

@@ -10,20 +10,21 @@ from enum import Enum
 from pydantic import Field
 
 from .base import Record
+from .limits import MAX_ITEMS, MAX_LAYERS, Count, Key, Name, Text, TokenCount
 
 
 class WorstToken(Record):
     """The response token with the largest |Δlogp| in a trajectory, with its surroundings."""
 
-    position: int = Field(ge=0, description="Offset in the stitched response.")
-    token_id: int
-    token_text: str
+    position: TokenCount = Field(description="Offset in the stitched response.")
+    token_id: int = Field(ge=0, le=2**31 - 1)
+    token_text: Text
     delta: float = Field(description="logπ_trainer − logπ_rollout at this token.")
     rollout_logprob: float
     trainer_logprob: float
-    context_before: str = Field(default="", description="Decoded text of up to 24 tokens before it.")
-    context_after: str = Field(default="", description="Decoded text of up to 8 tokens after it.")
-    turn: int | None = Field(default=None, description="The agent turn the token belongs to.")
+    context_before: Text = Field(default="", description="Decoded text of up to 24 tokens before it.")
+    context_after: Text = Field(default="", description="Decoded text of up to 8 tokens after it.")
+    turn: Count | None = Field(default=None, description="The agent turn the token belongs to.")
 
 
 class DenseMismatchReport(Record):
@@ -32,10 +33,10 @@ class DenseMismatchReport(Record):
     Δ_t = logπ_trainer(y_t) − logπ_rollout(y_t) over action tokens (tool output excluded).
     """
 
-    trajectory_id: str = Field(description="'<task_id>#<sample_index>': the same id on every engine pair.")
-    rollout_engine: str
-    trainer_engine: str
-    n_tokens: int = Field(ge=0, description="Action tokens compared.")
+    trajectory_id: Key = Field(description="'<task_id>#<sample_index>': the same id on every engine pair.")
+    rollout_engine: Name
+    trainer_engine: Name
+    n_tokens: Count = Field(description="Action tokens compared.")
     token_ess: float | None = Field(description="(Σw)² / (n·Σw²), w = exp(clip(Δ, ±20)).")
     sequence_log_ratio: float = Field(description="ΣΔ over the trajectory (the sequence-level log weight).")
     mean_delta: float | None
@@ -52,24 +53,24 @@ class DenseMismatchReport(Record):
     log_ppl_trainer: float | None
     log_ppl_diff: float | None = Field(description="log_ppl_trainer − log_ppl_rollout.")
     mean_prob_diff: float | None = Field(description="mean |p_rollout − p_trainer|.")
-    response_length: int = Field(ge=0, description="All response tokens, tool output included.")
+    response_length: Count = Field(description="All response tokens, tool output included.")
     worst_token: WorstToken | None = None
 
 
 class RouterMismatchReport(Record):
     """MoE routing mismatch of one trajectory: the experts each engine picked for the same tokens."""
 
-    trajectory_id: str
-    rollout_engine: str
-    trainer_engine: str
-    n_tokens: int = Field(ge=0)
-    num_layers: int = Field(ge=0, description="MoE layers compared.")
-    top_k: int = Field(ge=0)
+    trajectory_id: Key
+    rollout_engine: Name
+    trainer_engine: Name
+    n_tokens: Count
+    num_layers: int = Field(ge=0, le=MAX_LAYERS, description="MoE layers compared.")
+    top_k: int = Field(ge=0, le=MAX_LAYERS)
     router_flip_rate: float | None = Field(description="Share of (token, layer) whose top-1 expert differs.")
     token_expert_disagreement_rate: float | None = Field(
         description="Share of tokens whose top-k expert set differs at any layer.")
-    per_layer_flip_rate: list[float] = Field(default_factory=list)
-    worst_layer: int | None = None
+    per_layer_flip_rate: list[float] = Field(default_factory=list, max_length=MAX_LAYERS)
+    worst_layer: int | None = Field(default=None, ge=0, le=MAX_LAYERS)
     worst_layer_flip_rate: float | None = None
     topk_overlap: float | None = Field(description="mean |A∩B| / k over (token, layer).")
 
@@ -85,8 +86,8 @@ class DivergenceKind(str, Enum):
 class DeltaToken(Record):
     """One token of the split turn with its Δ, for 'what happened just before the paths split'."""
 
-    position: int
-    token_text: str
+    position: TokenCount
+    token_text: Text
     delta: float
     rollout_logprob: float
     trainer_logprob: float
@@ -95,22 +96,22 @@ class DeltaToken(Record):
 class AgentDivergenceReport(Record):
     """Two runs of the same task with the same seeds on two rollout engines, compared."""
 
-    task_id: str
-    sample_index: int = 0
-    engine_a: str
-    engine_b: str
-    first_divergent_step: int | None = Field(description="First turn where the runs differ; None if they never do.")
+    task_id: Key
+    sample_index: Count = 0
+    engine_a: Name
+    engine_b: Name
+    first_divergent_step: Count | None = Field(description="First turn where the runs differ; None if they never do.")
     kind: DivergenceKind
     tool_choice_disagreement_rate: float = Field(description="Share of aligned turns whose tool names differ.")
     tool_call_jaccard: float = Field(description="Jaccard of the (tool name, argument hash) sets of the runs.")
     final_answer_match_strict: bool
     final_answer_match_soft: bool = Field(description="Equal after normalization, or numerically equal.")
-    steps_a: int
-    steps_b: int
+    steps_a: Count
+    steps_b: Count
     split_turn: DenseMismatchReport | None = Field(
         default=None, description="Engine B's logprobs vs engine A's on A's tokens of the turn where they split.")
     top_delta_tokens: list[DeltaToken] = Field(
-        default_factory=list, description="The largest-|Δ| tokens of the split turn up to the split point.")
+        default_factory=list, max_length=MAX_ITEMS, description="The largest-|Δ| tokens of the split turn up to the split point.")
 
 
 class Interval(Record):
@@ -119,16 +120,16 @@ class Interval(Record):
     mean: float | None
     lo: float | None
     hi: float | None
-    n: int = Field(ge=0)
+    n: Count
 
 
 class MatrixCell(Record):
     """One (rollout engine, trainer engine) tile."""
 
-    rollout_engine: str
-    trainer_engine: str
-    n: int = Field(ge=0, description="Trajectories in the cell.")
-    tokens: int = Field(ge=0, description="Action tokens over all of them.")
+    rollout_engine: Name
+    trainer_engine: Name
+    n: Count = Field(description="Trajectories in the cell.")
+    tokens: int = Field(ge=0, le=2**63 - 1, description="Action tokens over all of them.")
     token_ess: Interval
     sequence_ess: float | None = Field(description="Sequence ESS over the cell's trajectories (one number).")
     mean_abs_delta: Interval
@@ -137,19 +138,19 @@ class MatrixCell(Record):
     mean_prob_diff: Interval
     router_flip_rate: Interval | None = None
     token_expert_disagreement_rate: Interval | None = None
-    worst_layer: int | None = None
+    worst_layer: int | None = Field(default=None, ge=0, le=MAX_LAYERS)
     worst_layer_flip_rate: float | None = None
     worst_token: WorstToken | None = None
-    worst_trajectory_id: str | None = None
+    worst_trajectory_id: Key | None = None
     low_n: bool = Field(description="True when n < 30: the tile says so.")
 
 
 class LengthPoint(Record):
     """ESS and |Δ| of one cell over trajectories whose response length falls in one bucket."""
 
-    rollout_engine: str
-    trainer_engine: str
-    max_tokens: int = Field(description="The length target (a --lengths value) the trajectories were sampled with.")
+    rollout_engine: Name
+    trainer_engine: Name
+    max_tokens: TokenCount = Field(description="The length target (a --lengths value) the trajectories were sampled with.")
     mean_response_tokens: float
     token_ess: Interval
     mean_abs_delta: Interval
@@ -158,11 +159,11 @@ class LengthPoint(Record):
 class ObservatoryMatrix(Record):
     """matrix.json of an observatory run."""
 
-    model: str
-    suite: str | None = None
-    rollout_engines: list[str]
-    trainer_engines: list[str]
-    cells: list[MatrixCell]
-    length_scaling: list[LengthPoint] = Field(default_factory=list)
-    divergence: list[AgentDivergenceReport] = Field(default_factory=list)
-    created_at: str
+    model: Key
+    suite: Name | None = None
+    rollout_engines: list[Name] = Field(max_length=MAX_ITEMS)
+    trainer_engines: list[Name] = Field(max_length=MAX_ITEMS)
+    cells: list[MatrixCell] = Field(max_length=MAX_ITEMS)
+    length_scaling: list[LengthPoint] = Field(default_factory=list, max_length=MAX_ITEMS)
+    divergence: list[AgentDivergenceReport] = Field(default_factory=list, max_length=MAX_ITEMS)
+    created_at: Name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from enum import Enum
+from typing import Annotated
 
 import numpy as np
 from pydantic import Field
@@ -11,6 +12,7 @@ from pydantic import Field
 from .arrays import Logprobs, Mask, RoutedExperts, TokenIds
 from .base import Identifier, Record, Sha256Hex, UtcDatetime, canonical_json, new_id, utc_now
 from .decision import DecisionReason
+from .limits import MAX_GROUP_SIZE, MAX_ITEMS, MAX_NAMES, MAX_TOKENS, Count, Key, Name, Version
 
 
 class FinishReason(str, Enum):
@@ -30,7 +32,7 @@ class Trajectory(Record):
     ``tool_output_mask = 1`` and ``action_mask = 0``; its logprob slot is ignored (send 0).
     """
 
-    sample_index: int = Field(ge=0, description="Position within the group.")
+    sample_index: int = Field(ge=0, lt=MAX_GROUP_SIZE, description="Position within the group.")
     prompt_token_ids: TokenIds | None = Field(description="int32 [P]: the prompt as the engine saw it.")
     response_token_ids: TokenIds | None = Field(description="int32 [T].")
     logprobs: Logprobs | None = Field(
@@ -48,9 +50,10 @@ class Trajectory(Record):
         default=None, description="int16 [T, L, K]: top-k expert ids per MoE layer, for MoE models."
     )
     reward: float = 0.0
-    reward_components: dict[str, float] = Field(default_factory=dict)
-    turn_boundaries: list[int] = Field(
-        default_factory=list, description="Response offsets where each turn starts."
+    reward_components: dict[Name, float] = Field(default_factory=dict, max_length=MAX_NAMES)
+    turn_boundaries: list[Annotated[int, Field(ge=-MAX_TOKENS, le=MAX_TOKENS)]] = Field(
+        default_factory=list, max_length=MAX_ITEMS,
+        description="Response offsets where each turn starts (the gate refuses one outside the response).",
     )
     finish_reason: FinishReason = FinishReason.stop
 
@@ -74,19 +77,19 @@ class SampleGroup(Record):
     lease_id: Identifier
     worker_id: Identifier
     task_id: Identifier
-    policy_version: int = Field(ge=0)
+    policy_version: Version
     checkpoint_digest: Sha256Hex
     tokenizer_hash: Sha256Hex
     sampling_config_hash: Sha256Hex
-    engine_name: str
-    engine_version: str
-    engine_fingerprint: str
-    device_type: str
-    precision_class: str
-    quantization_class: str
-    trajectories: list[Trajectory] = Field(min_length=1)
-    policy_lag_steps: int = Field(
-        default=0, ge=0,
+    engine_name: Name
+    engine_version: Name
+    engine_fingerprint: Key
+    device_type: Name
+    precision_class: Name
+    quantization_class: Name
+    trajectories: list[Trajectory] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+    policy_lag_steps: Version = Field(
+        default=0,
         description="Stamped by the exchange: active version minus policy_version. Not hashed.",
     )
     wall_time_s: float = Field(default=0.0, ge=0)
@@ -94,7 +97,7 @@ class SampleGroup(Record):
     content_hash: Sha256Hex | None = Field(
         default=None, description="sha256 over canonical bytes; see content_hash()."
     )
-    signature: str | None = Field(
+    signature: Key | None = Field(
         default=None, description="Base64 ed25519 signature of the content hash."
     )
 
@@ -158,13 +161,13 @@ class GroupStatus(str, Enum):
 class SubmissionReceipt(Record):
     """The exchange's answer to an accepted submission. Resubmitting yields the same receipt."""
 
-    group_id: str
-    lease_id: str
-    content_hash: str
+    group_id: Identifier
+    lease_id: Identifier
+    content_hash: Sha256Hex
     tier: Tier
-    policy_lag_steps: int
+    policy_lag_steps: Version
     reasons: list[DecisionReason] = Field(
-        default_factory=list, description="Why it landed outside the fresh tier, if it did."
+        default_factory=list, max_length=MAX_NAMES, description="Why it landed outside the fresh tier, if it did."
     )
     duplicate: bool = Field(default=False, description="True when this exact group was already stored.")
     received_at: UtcDatetime
@@ -177,12 +180,12 @@ class FetchedGroup(Record):
     tier: Tier
     status: GroupStatus
     received_at: UtcDatetime
-    lag_at_arrival: int
-    current_lag: int = Field(description="Active version now minus the group's policy version.")
-    served_count: int = Field(description="Times served to this trainer, this time included.")
+    lag_at_arrival: Version
+    current_lag: Version = Field(description="Active version now minus the group's policy version.")
+    served_count: Count = Field(description="Times served to this trainer, this time included.")
 
 
 class FetchResult(Record):
-    groups: list[FetchedGroup]
-    active_version: int | None
-    remaining: int = Field(description="Groups still matching the filters after this batch.")
+    groups: list[FetchedGroup] = Field(max_length=MAX_ITEMS)
+    active_version: Version | None
+    remaining: Count = Field(description="Groups still matching the filters after this batch.")

@@ -10,7 +10,9 @@ logprob array costs no per-element work on either side. Datetimes use msgpack's 
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import struct
 from enum import Enum
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 import msgpack
 import numpy as np
 from pydantic import BaseModel
+
+from .limits import MAX_DEPTH
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
@@ -35,6 +39,10 @@ _MAX_NDIM = 8
 
 class WireError(ValueError):
     """The bytes are not a well-formed rollmarket message."""
+
+
+class NestingTooDeep(WireError):
+    """A document nests containers deeper than MAX_DEPTH."""
 
 
 def _encode_array(array: np.ndarray) -> msgpack.ExtType:
@@ -72,6 +80,10 @@ def embed(document: bytes) -> msgpack.ExtType:
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EMBEDDED_EXT:
         return unpackb(data)
+    return _array_ext(code, data)
+
+
+def _array_ext(code: int, data: bytes) -> Any:
     if code != ARRAY_EXT:
         raise WireError(f"unknown msgpack ext type {code}")
     if len(data) < 2:
@@ -106,3 +118,98 @@ def unpackb(data: bytes) -> Any:
         raise
     except Exception as exc:  # msgpack raises a zoo of types; all mean the same to a caller
         raise WireError(f"malformed msgpack: {exc}") from None
+
+
+# -- request bodies: what a server accepts from anyone ---------------------------------------
+
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise WireError(f"duplicate key {str(duplicate)[:64]!r} in one map")
+    return out
+
+
+def _check_depth(value: Any) -> Any:
+    """`value` when its containers nest at most MAX_DEPTH deep; walked level by level, without
+    recursion (and without per-item tuples: this runs on every msgpack request)."""
+    level = [value]
+    depth = 1
+    while level:
+        if depth > MAX_DEPTH:
+            raise NestingTooDeep(f"containers nest deeper than {MAX_DEPTH} levels")
+        below = []
+        for item in level:
+            for child in (item.values() if type(item) is dict else item):
+                kind = type(child)
+                if kind is dict or kind is list:
+                    below.append(child)
+        level = below
+        depth += 1
+    return value
+
+
+def unpack_request(data: bytes) -> Any:
+    """Decode a request body sent as msgpack, refusing what only a hostile or broken peer sends.
+
+    Beyond `unpackb`: no embedded documents (ext type 2 is for answers a server forwards), no map
+    with a key twice, and no nesting deeper than MAX_DEPTH. msgpack's C decoder keeps its own
+    stack (it refuses beyond 1024 levels), so nothing recurses in Python before the depth check.
+    Raises WireError.
+    """
+    try:
+        value = msgpack.unpackb(data, ext_hook=_array_ext, raw=False, timestamp=3,
+                                strict_map_key=False, object_pairs_hook=_unique_keys)
+    except WireError:
+        raise
+    except msgpack.StackError:
+        raise NestingTooDeep(f"containers nest deeper than {MAX_DEPTH} levels") from None
+    except Exception as exc:
+        raise WireError(f"malformed msgpack: {type(exc).__name__}: {exc}") from None
+    return _check_depth(value) if isinstance(value, (dict, list)) else value
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"?')
+"""A JSON string, or the rest of the body after an unterminated quote: possessive, so linear."""
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_too_deep(body: bytes) -> bool:
+    """True when the arrays and objects of a JSON text nest deeper than MAX_DEPTH, found from
+    the bytes alone (strings removed, brackets counted) without parsing anything."""
+    if body.count(b"[") + body.count(b"{") <= MAX_DEPTH:
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    codes = np.frombuffer(brackets, np.uint8)
+    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max(initial=0)) > MAX_DEPTH
+
+
+def loads_json(body: bytes) -> Any:
+    """Decode a request body sent as JSON, refusing what only a hostile or broken peer sends.
+
+    UTF-8 only; at most MAX_DEPTH levels of nesting, measured on the bytes before the (recursive)
+    parser sees them; no object with a key twice; no lone UTF-16 surrogates (they cannot be
+    stored or re-encoded). The words NaN and Infinity parse, so that such logprobs reach the gate
+    and get their own typed rejection. Raises WireError.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError(f"JSON must be UTF-8: {exc}") from None
+    if json_too_deep(body):
+        raise NestingTooDeep(f"JSON nests deeper than {MAX_DEPTH} levels")
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except WireError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"malformed JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(body):
+        try:  # escapes of surrogate pairs are fine; a lone one cannot be encoded
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise WireError("JSON holds a lone UTF-16 surrogate escape") from None
+    return value

@@ -7,15 +7,19 @@ Bodies may be JSON or msgpack (`Content-Type: application/msgpack`); responses f
 from __future__ import annotations
 
 import logging
+import re
 import time
 from datetime import datetime, timezone
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+import swagger_ui_bundle
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,14 +53,19 @@ from ..contracts import (
     WorkerRegistration,
     WorkerSummary,
 )
+from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN, Identifier
+from ..contracts.limits import INT64_MAX, MAX_COUNT, MAX_NAME_LENGTH, MAX_VERSION, Name
 from ..contracts.wire import JSON, MSGPACK, embed, packb, unpackb
-from .codec import parse, respond, wants_msgpack
+from .codec import clip, parse, respond, wants_msgpack
 from .errors import ExchangeFault
 from .service import Exchange
 from .settings import ExchangeSettings
 from .store import FetchFilter, StoredGroup
 
 log = logging.getLogger(__name__)
+
+DOCS_ASSETS = "/docs/assets"
+"""Where Swagger UI's files (the swagger-ui-bundle-v2 wheel's copy) are served, so /docs works offline."""
 
 
 class JobBatch(Record):
@@ -66,7 +75,7 @@ class JobBatch(Record):
 
 
 class EnqueueResult(Record):
-    receipts: list[EnqueueReceipt]
+    receipts: list[EnqueueReceipt] = Field(max_length=10_000)
 
 
 class GroupReport(Record):
@@ -76,15 +85,100 @@ class GroupReport(Record):
     feedback: TrainerFeedback | None = None
 
 
+class GroupReportItem(GroupReport):
+    """One group's report inside a batch."""
+
+    group_id: Identifier
+
+
+class ReportBatch(Record):
+    """Reports on several groups in one call; all are recorded or none is."""
+
+    reports: list[GroupReportItem] = Field(min_length=1, max_length=1024)
+
+
+class ReportBatchResult(Record):
+    receipts: list[ReportReceipt] = Field(max_length=1024)
+
+
 class JobStateAnswer(Record):
-    lease_id: str
-    job_state: str = Field(description="queued (will be retried), failed or expired.")
+    lease_id: Name
+    job_state: Name = Field(description="queued (will be retried), failed or expired.")
 
 
 class Health(Record):
-    status: str
-    version: str
+    status: Name
+    version: Name
     time: float
+
+
+def _id_path(what: str):
+    return Path(min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN, description=f"The {what}'s id.")
+
+
+def _id_query(what: str):
+    return Query(None, min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN, description=what)
+
+
+_TRAINER_ID = re.compile(ID_PATTERN)
+
+
+def _trainer_id(*candidates: str | None) -> str:
+    """The first trainer id given (query, feedback, X-Trainer-Id header), else "default"; a header
+    that is not an id is refused like any other malformed parameter."""
+    for value in candidates:
+        if value is not None:
+            if len(value) > ID_MAX_LENGTH or not _TRAINER_ID.fullmatch(value):
+                raise ExchangeFault(ErrorCode.invalid_request,
+                                    "X-Trainer-Id must be an id: 1-128 of A-Z a-z 0-9 _ . : -",
+                                    details={"errors": [{"loc": ["header", "x-trainer-id"],
+                                                         "msg": "not an id"}]})
+            return value
+    return "default"
+
+
+_CLIENT_MADE = (RecursionError, OverflowError, UnicodeError)
+"""Exceptions that in this service only a client's values can cause (nesting, integers past 64
+bits, unencodable strings). The contracts' limits stop them at the door; one that gets past them
+is still the client's input, so the boundary answers 422, and logs it as the bug it also is."""
+
+
+class _Boundary:
+    """Pure ASGI middleware: the one place an unexpected exception becomes a typed answer.
+
+    Starlette's own last-resort handler answers 500 and then re-raises, which makes uvicorn close
+    the keep-alive connection; here the answer is sent and the exception stops, so the client's
+    connection goes on serving. Every unexpected exception is logged with its traceback.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = [False]
+
+        async def watch(message):
+            if message["type"] == "http.response.start":
+                started[0] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started[0]:
+                raise  # half an answer is out: only closing the connection can end it
+            if isinstance(exc, _CLIENT_MADE):
+                log.error("a %s from a client's input got past the contracts on %s %s",
+                          type(exc).__name__, scope["method"], scope["path"], exc_info=True)
+                fault = ExchangeFault(ErrorCode.invalid_request,
+                                      f"the request holds a value this exchange cannot store ({type(exc).__name__})")
+            else:
+                log.error("unhandled error on %s %s", scope["method"], scope["path"], exc_info=True)
+                fault = ExchangeFault(ErrorCode.internal, f"internal error: {type(exc).__name__}")
+            response = JSONResponse(fault.body().model_dump(mode="json"), status_code=fault.status)
+            await response(scope, receive, send)
 
 
 _ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
@@ -100,7 +194,7 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 _BODY_MODELS: list[type[BaseModel]] = [WorkerManifest, WorkerHeartbeat, FailureReport, SampleGroup,
-                                       ReloadAck, PolicyManifest, JobBatch, GroupReport]
+                                       ReloadAck, PolicyManifest, JobBatch, GroupReport, ReportBatch]
 
 
 class _Timing:
@@ -164,12 +258,16 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         title="rollmarket exchange",
         version=__version__,
         lifespan=lifespan,
+        docs_url=None,  # served below from the package's own copy of Swagger UI: no CDN
+        redoc_url=None,
         description="Rollout workers lease jobs and submit sample groups with full provenance; "
         "trainers publish policies, enqueue jobs and fetch gated groups. Bodies are JSON or "
         "msgpack (application/msgpack, arrays as raw little-endian bytes).",
     )
     app.state.exchange = exchange
-    app.add_middleware(_Timing, exchange=exchange)
+    app.add_middleware(_Boundary)
+    app.add_middleware(_Timing, exchange=exchange)  # outermost: it also counts the boundary's answers
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_bundle.swagger_ui_path)), name="docs-assets")
 
     # -- errors ---------------------------------------------------------------------------
     @app.exception_handler(ExchangeFault)
@@ -179,7 +277,8 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
-        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in exc.errors()[:20]]
+        errors = [{"loc": [clip(str(p), 64) for p in e.get("loc", ())], "msg": clip(str(e.get("msg")), 500)}
+                  for e in exc.errors()[:20]]
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         fault = ExchangeFault(ErrorCode.invalid_request, f"{'.'.join(first['loc'])}: {first['msg']}",
                               details={"errors": errors})
@@ -188,13 +287,8 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
-        body = ErrorBody.model_validate({"error": {"code": code, "message": str(exc.detail)}})
-        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return await on_fault(request, ExchangeFault(ErrorCode.internal, f"internal error: {type(exc).__name__}"))
+        body = ErrorBody.model_validate({"error": {"code": code, "message": clip(str(exc.detail), 500)}})
+        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code, headers=exc.headers)
 
     def authz(request: Request) -> str | None:
         return request.headers.get("authorization")
@@ -217,21 +311,23 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         return respond(request, await exchange.heartbeat(worker_id, beat))
 
     @app.post("/v1/leases", tags=["workers"], responses={200: {"model": LeaseGrant}, **_ERRORS})
-    async def lease(request: Request, wait_s: float = Query(0.0, ge=0, description="Long-poll for work up to this many seconds.")) -> Response:
+    async def lease(request: Request, wait_s: float = Query(0.0, ge=0, le=3600, allow_inf_nan=False,
+                                                            description="Long-poll for work up to this many seconds "
+                                                                        "(the exchange caps it at --max-lease-wait-s).")) -> Response:
         """Lease one job that fits this worker, or learn why there is none."""
         worker_id = exchange.worker_of(authz(request))
         return respond(request, await exchange.lease(worker_id, wait_s))
 
     @app.post("/v1/leases/{lease_id}/renew", tags=["workers"],
               responses={200: {"model": RolloutLease}, **_ERRORS})
-    async def renew_lease(request: Request, lease_id: str) -> Response:
+    async def renew_lease(request: Request, lease_id: str = _id_path("lease")) -> Response:
         """Extend a lease the worker still works on by another lease TTL (long agent rollouts)."""
         worker_id = exchange.worker_of(authz(request))
         return respond(request, await exchange.renew(worker_id, lease_id))
 
     @app.post("/v1/leases/{lease_id}/fail", tags=["workers"], openapi_extra=_body(FailureReport),
               responses={200: {"model": JobStateAnswer}, **_ERRORS})
-    async def fail_lease(request: Request, lease_id: str) -> Response:
+    async def fail_lease(request: Request, lease_id: str = _id_path("lease")) -> Response:
         """Give a lease back because the job could not be done; the job is re-queued or failed."""
         worker_id = exchange.worker_of(authz(request))
         report, _, _ = await parse(request, FailureReport, limit)
@@ -258,7 +354,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     # -- trainer side ---------------------------------------------------------------------
     @app.post("/v1/policies", tags=["trainer"], openapi_extra=_body(PolicyManifest),
               responses={200: {"model": PoolStatus}, **_ERRORS})
-    async def publish_policy(request: Request, quorum: int | None = Query(None, ge=1, description="Acks needed to activate; default from settings.")) -> Response:
+    async def publish_policy(request: Request, quorum: int | None = Query(None, ge=1, le=MAX_COUNT, description="Acks needed to activate; default from settings.")) -> Response:
         """Publish a new policy version; it becomes active once its reload quorum acks it."""
         exchange.require_trainer(authz(request))
         manifest, _, _ = await parse(request, PolicyManifest, limit)
@@ -279,7 +375,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         return respond(request, EnqueueResult(receipts=await exchange.enqueue(batch.jobs)))
 
     @app.get("/v1/jobs", tags=["trainer"], responses={200: {"model": list[Any]}, **_ERRORS})
-    async def list_jobs(request: Request, state: str | None = Query(None, description="queued, leased, done, failed or expired."),
+    async def list_jobs(request: Request, state: str | None = Query(None, max_length=32, description="queued, leased, done, failed or expired."),
                         limit: int = Query(100, ge=1, le=10_000)) -> Response:
         """Jobs with their state and attempts."""
         exchange.require_trainer(authz(request))
@@ -290,17 +386,17 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     async def fetch_groups(
         request: Request,
         tier: Tier = Query(Tier.fresh, description="fresh, replay or quarantine; the last two only when asked."),
-        policy_version: int | None = Query(None, ge=0, description="Only groups from this version."),
-        max_staleness: int | None = Query(None, ge=0, description="Only groups at most this many versions behind the active one."),
-        precision_class: str | None = Query(None, description="Only groups rolled out at this precision."),
+        policy_version: int | None = Query(None, ge=0, le=MAX_VERSION, description="Only groups from this version."),
+        max_staleness: int | None = Query(None, ge=0, le=MAX_VERSION, description="Only groups at most this many versions behind the active one."),
+        precision_class: str | None = Query(None, max_length=MAX_NAME_LENGTH, description="Only groups rolled out at this precision."),
         limit: int = Query(16, ge=1, le=1024, description="Most groups returned."),
         include_served: bool = Query(False, description="Also return groups already served to this trainer."),
         newest_first: bool = Query(False, description="Newest arrivals first instead of oldest."),
-        trainer_id: str | None = Query(None, description="Which trainer asks (or the X-Trainer-Id header)."),
+        trainer_id: str | None = _id_query("Which trainer asks (or the X-Trainer-Id header)."),
     ) -> Response:
         """Fetch stored groups that fit the filters; each serving is counted per trainer."""
         exchange.require_trainer(authz(request))
-        who = trainer_id or request.headers.get("x-trainer-id") or "default"
+        who = _trainer_id(trainer_id, request.headers.get("x-trainer-id"))
         batch = await exchange.fetch(FetchFilter(
             trainer_id=who, tier=tier, policy_version=policy_version, max_staleness=max_staleness,
             precision_class=precision_class, limit=limit, include_served=include_served,
@@ -315,7 +411,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
                                             remaining=batch.remaining))
 
     @app.get("/v1/groups/{group_id}", tags=["trainer"], responses={200: {"model": FetchedGroup}, **_ERRORS})
-    async def get_group(request: Request, group_id: str) -> Response:
+    async def get_group(request: Request, group_id: str = _id_path("group")) -> Response:
         """One stored group by id, for inspection; not counted as served."""
         exchange.require_trainer(authz(request))
         stored = await exchange.group(group_id)
@@ -328,13 +424,24 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
 
     @app.post("/v1/groups/{group_id}/report", tags=["trainer"], openapi_extra=_body(GroupReport),
               responses={200: {"model": ReportReceipt}, **_ERRORS})
-    async def report_group(request: Request, group_id: str) -> Response:
+    async def report_group(request: Request, group_id: str = _id_path("group")) -> Response:
         """Record a trainer's decision on a group (moving it between tiers) and its feedback."""
         exchange.require_trainer(authz(request))
         report, _, _ = await parse(request, GroupReport, limit)
-        trainer_id = (report.feedback.trainer_id if report.feedback else None) or \
-            request.headers.get("x-trainer-id") or "default"
+        trainer_id = _trainer_id(report.feedback.trainer_id if report.feedback else None,
+                                 request.headers.get("x-trainer-id"))
         return respond(request, await exchange.report(trainer_id, group_id, report.decision, report.feedback))
+
+    @app.post("/v1/groups/reports", tags=["trainer"], openapi_extra=_body(ReportBatch),
+              responses={200: {"model": ReportBatchResult}, **_ERRORS})
+    async def report_groups(request: Request) -> Response:
+        """Record decisions and feedback on several groups in one call (one write): all or none."""
+        exchange.require_trainer(authz(request))
+        batch, _, _ = await parse(request, ReportBatch, limit)
+        header = request.headers.get("x-trainer-id")
+        reports = [(_trainer_id(item.feedback.trainer_id if item.feedback else None, header), item.group_id,
+                    item.decision, item.feedback) for item in batch.reports]
+        return respond(request, ReportBatchResult(receipts=await exchange.report_many(reports)))
 
     @app.get("/v1/pool", tags=["trainer"], responses={200: {"model": PoolStatus}, **_ERRORS})
     async def pool_status(request: Request) -> Response:
@@ -351,9 +458,9 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     @app.get("/v1/audit", tags=["trainer"], responses={200: {"model": AuditPage}, **_ERRORS})
     async def audit(
         request: Request,
-        since_seq: int = Query(0, ge=0, description="Return events after this sequence number."),
-        kind: str | None = Query(None, description="Event kind, or a prefix ending in '*' such as 'lease.*'."),
-        subject: str | None = Query(None, description="Only events about this id."),
+        since_seq: int = Query(0, ge=0, le=INT64_MAX, description="Return events after this sequence number."),
+        kind: str | None = Query(None, max_length=MAX_NAME_LENGTH, description="Event kind, or a prefix ending in '*' such as 'lease.*'."),
+        subject: str | None = Query(None, max_length=256, description="Only events about this id."),
         limit: int = Query(500, ge=1, le=10_000),
     ) -> Response:
         """The append-only audit log of every state change."""
@@ -365,6 +472,15 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     async def healthz() -> Health:
         """Liveness: the process answers and its store is open."""
         return Health(status="ok", version=__version__, time=time.time())
+
+    @app.get("/docs", tags=["ops"], response_class=HTMLResponse, include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        """Swagger UI over /openapi.json, with its scripts and styles served from the package."""
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url, title=f"{app.title} - API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
 
     @app.get("/metrics", tags=["ops"], response_class=Response)
     async def metrics() -> Response:

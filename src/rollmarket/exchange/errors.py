@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..contracts import ErrorBody, ErrorCode, ErrorDetail
+from ..contracts.limits import MAX_MESSAGE_LENGTH
 
 STATUS_OF = {
     ErrorCode.malformed_body: 400,
@@ -40,5 +41,6 @@ class ExchangeFault(Exception):
         return STATUS_OF[self.code]
 
     def body(self) -> ErrorBody:
-        return ErrorBody(error=ErrorDetail(code=self.code, message=self.message,
+        message = self.message if len(self.message) <= MAX_MESSAGE_LENGTH else self.message[:MAX_MESSAGE_LENGTH - 1] + "…"
+        return ErrorBody(error=ErrorDetail(code=self.code, message=message,
                                            reasons=self.reasons, details=self.details))

@@ -226,18 +226,33 @@ class Exchange:
             raise ExchangeFault(ErrorCode.not_found, f"unknown group {group_id}")
         return stored
 
-    async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
-                     feedback: TrainerFeedback | None) -> ReportReceipt:
+    @staticmethod
+    def _check_report(group_id: str, decision: GroupDecision | None, feedback: TrainerFeedback | None) -> None:
         if decision is None and feedback is None:
             raise ExchangeFault(ErrorCode.invalid_request, "a report needs a decision, feedback or both")
         for name, item in (("decision", decision), ("feedback", feedback)):
             if item is not None and item.group_id != group_id:
                 raise ExchangeFault(ErrorCode.invalid_request,
                                     f"the {name} is for group {item.group_id}, not {group_id}")
+
+    async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
+                     feedback: TrainerFeedback | None) -> ReportReceipt:
+        self._check_report(group_id, decision, feedback)
         receipt = await self.store.report(trainer_id, group_id, decision, feedback, time.time())
         if decision is not None:
             self.metrics.decisions.labels(decision.status.value).inc()
         return receipt
+
+    async def report_many(self, reports: list[tuple[str, str, GroupDecision | None, TrainerFeedback | None]]
+                          ) -> list[ReportReceipt]:
+        """Several (trainer_id, group_id, decision, feedback) reports in one write: all or none."""
+        for _, group_id, decision, feedback in reports:
+            self._check_report(group_id, decision, feedback)
+        receipts = await self.store.report_many(reports, time.time())
+        for _, _, decision, _ in reports:
+            if decision is not None:
+                self.metrics.decisions.labels(decision.status.value).inc()
+        return receipts
 
     async def pool(self) -> PoolStatus:
         return await self.store.pool_status(time.time())

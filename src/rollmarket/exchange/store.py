@@ -160,6 +160,11 @@ class Store(ABC):
     async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
                      feedback: TrainerFeedback | None, now: float) -> ReportReceipt: ...
 
+    @abstractmethod
+    async def report_many(self, reports: list[tuple[str, str, GroupDecision | None, TrainerFeedback | None]],
+                          now: float) -> list[ReportReceipt]:
+        """(trainer_id, group_id, decision, feedback) reports applied all together or not at all."""
+
     # -- operations -----------------------------------------------------------------------
     @abstractmethod
     async def reap(self, now: float) -> ReapResult: ...

@@ -13,7 +13,15 @@ from datetime import datetime
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from ..contracts import LeaseState, RejectionReason, RolloutLease, SampleGroup, Trajectory, content_hash
+from ..contracts import (
+    LeaseState,
+    RejectionReason,
+    RolloutLease,
+    SampleGroup,
+    Trajectory,
+    WorkerManifest,
+    content_hash,
+)
 from .config import GateConfig
 from .integrity import signature_valid
 
@@ -119,6 +127,30 @@ def _check_values(t: Trajectory, index: int, config: GateConfig, findings: list[
                     "a token is marked both action and tool output", index))
 
 
+def check_provenance(group: SampleGroup, manifest: WorkerManifest) -> list[Finding]:
+    """The group's engine, device and numerics must be what its worker registered: a worker
+    cannot claim another engine (or device, precision, quantization) for one group. The
+    fingerprint is checked against the worker's reload ack (see check_against_lease)."""
+    findings: list[Finding] = []
+    add = findings.append
+    if group.engine_name != manifest.engine_name:
+        add(Finding(RejectionReason.engine_mismatch,
+                    f"engine_name is {group.engine_name!r}, the worker registered {manifest.engine_name!r}"))
+    if group.engine_version != manifest.engine_version:
+        add(Finding(RejectionReason.engine_version_mismatch,
+                    f"engine_version is {group.engine_version!r}, the worker registered {manifest.engine_version!r}"))
+    if group.device_type != manifest.device_type:
+        add(Finding(RejectionReason.device_mismatch,
+                    f"device_type is {group.device_type!r}, the worker registered {manifest.device_type!r}"))
+    if group.precision_class not in manifest.precision_classes:
+        add(Finding(RejectionReason.precision_mismatch,
+                    f"precision_class {group.precision_class!r} is not one the worker registered"))
+    if group.quantization_class not in manifest.quantization_classes:
+        add(Finding(RejectionReason.quantization_mismatch,
+                    f"quantization_class {group.quantization_class!r} is not one the worker registered"))
+    return findings
+
+
 def check_against_lease(
     group: SampleGroup,
     lease: RolloutLease,
@@ -126,14 +158,15 @@ def check_against_lease(
     now: datetime,
     acked_fingerprint: str | None,
     public_key: Ed25519PublicKey | None,
+    manifest: WorkerManifest | None = None,
 ) -> list[Finding]:
-    """Checks that need the lease the group was submitted under."""
+    """Checks that need the lease the group was submitted under, and the manifest its worker
+    registered (the group's provenance must be what the worker declared)."""
     findings: list[Finding] = []
     add = findings.append
     req = lease.requirements
     if group.job_id != lease.job_id or group.worker_id != lease.worker_id:
-        add(Finding(RejectionReason.lease_mismatch,
-                    f"lease {lease.lease_id} is for job {lease.job_id} and worker {lease.worker_id}"))
+        add(Finding(RejectionReason.lease_mismatch, "job_id or worker_id differ from the lease's"))
     if lease.state is LeaseState.expired or (lease.state is LeaseState.issued and lease.expires_at <= now):
         add(Finding(RejectionReason.expired_lease, f"lease expired at {lease.expires_at.isoformat()}"))
     elif lease.state is not LeaseState.issued:
@@ -155,6 +188,11 @@ def check_against_lease(
     if acked_fingerprint is not None and group.engine_fingerprint != acked_fingerprint:
         add(Finding(RejectionReason.fingerprint_mismatch,
                     "engine_fingerprint differs from the one acked for this policy version"))
+    elif acked_fingerprint is None and manifest is not None and group.engine_fingerprint != manifest.engine_fingerprint:
+        add(Finding(RejectionReason.fingerprint_mismatch,
+                    "engine_fingerprint differs from the one the worker registered"))
+    if manifest is not None:
+        findings.extend(check_provenance(group, manifest))
     if len(group.trajectories) != req.group_size:
         add(Finding(RejectionReason.group_size_mismatch,
                     f"{len(group.trajectories)} trajectories, the job asks for {req.group_size}"))

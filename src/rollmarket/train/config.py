@@ -141,6 +141,8 @@ class ExchangeSection(_Section):
         None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$",
         description="This trainer's id in decisions, feedback and the exchange's served marks; None: "
                     "trainer-<run id>, one per run (two runs sharing an id hide each other's groups).")
+    wait_s: float = Field(300.0, ge=0, description="How long to wait for an exchange that does not answer "
+                                                   "at start before giving up.")
 
 
 class LoggingSection(_Section):

@@ -249,6 +249,8 @@ class Trainer:
                 raise TrainConfigError(f"set ${cfg.exchange.token_env} to the exchange's trainer token")
         client = TrainerClient(url, token, trainer_id=self.trainer_id, retries=8)
         stack.callback(client.close)
+        if not self.local:  # a remote exchange may not be up yet: wait for it, saying so
+            client.http.wait_for_exchange(cfg.exchange.wait_s)
         return client
 
     def _manifest(self, version: int, path: Path, digest: str) -> PolicyManifest:

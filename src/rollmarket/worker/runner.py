@@ -41,6 +41,9 @@ class WorkerSettings(BaseModel):
     """Settings of `rollmarket worker` (saved with its events)."""
 
     exchange: str = Field("http://127.0.0.1:8470", description="Exchange base URL.")
+    exchange_wait_s: float = Field(
+        300.0, ge=0, description="How long to wait for an exchange that does not answer (at start or "
+                                 "later) before giving up.")
     worker_id: str | None = Field(None, description="Worker id (default: <engine>-<precision>-<random>).")
     registration_token: str | None = Field(None, description="Registration token, if the exchange wants one.")
     max_steps: int = Field(6, ge=1, description="Agent turns per run.")
@@ -246,7 +249,13 @@ class AgentWorker:
     # -- the whole life ---------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> int:
+        """Register, then lease and work until `stop` is set. While the exchange does not answer it
+        waits with backoff (one log line every few seconds); after `exchange_wait_s` of silence it
+        raises ExchangeUnreachable."""
         manifest = manifest_for(self.identity, self.worker_id, self.settings.price)
+        self.client.http.wait_for_exchange(self.settings.exchange_wait_s, stop=stop)
+        if stop.is_set():
+            return 0
         registration = self.client.register(manifest, registration_token=self.settings.registration_token)
         self._lease_ttl = registration.lease_ttl_s
         self.events("registered", manifest=manifest.model_dump(mode="json"))
@@ -262,7 +271,7 @@ class AgentWorker:
                 try:
                     grant = self.client.lease(wait_s=self.settings.lease_wait_s)
                 except ExchangeUnavailable:
-                    stop.wait(0.5)
+                    self.client.http.wait_for_exchange(self.settings.exchange_wait_s, stop=stop)
                     continue
                 if grant.reason is NoLeaseReason.reload_required and grant.policy is not None:
                     if not self.reload(grant.policy):

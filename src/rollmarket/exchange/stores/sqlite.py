@@ -324,6 +324,10 @@ class _Writer:
                 future.set_exception(exc)
 
 
+UNKNOWN_LEASE = "no lease with this id was issued to this worker"
+"""The one answer to a lease id that does not exist and to one held by another worker."""
+
+
 def _fault(code: ErrorCode, message: str, **details: Any) -> ExchangeFault:
     return ExchangeFault(code, message, details=details)
 
@@ -698,38 +702,40 @@ class SqliteStore(Store):
     async def submit(self, group: SampleGroup, payload: bytes, findings: list[Finding],
                      now: float) -> SubmitOutcome:
         def tx(conn: sqlite3.Connection) -> SubmitOutcome:
+            # Ownership first, idempotency second: another worker's lease answers exactly as a
+            # lease never issued, and its stored group (receipt, hash) is never looked at.
+            lease_row = conn.execute("SELECT worker_id, body, state FROM leases WHERE lease_id=?",
+                                     (group.lease_id,)).fetchone()
+            if lease_row is None or lease_row["worker_id"] != group.worker_id:
+                unknown = list(findings) + [Finding(RejectionReason.unknown_lease, UNKNOWN_LEASE)]
+                self._record_rejection(conn, now, group, unknown)
+                return SubmitOutcome(receipt=None, rejected=unknown)
             stored = conn.execute(
                 "SELECT group_id, lease_id, content_hash, receipt FROM groups WHERE lease_id=? OR group_id=?",
                 (group.lease_id, group.group_id),
             ).fetchall()
             for row in stored:
-                same = (row["group_id"] == group.group_id and row["lease_id"] == group.lease_id
-                        and row["content_hash"] == group.content_hash)
-                if same:
+                if row["lease_id"] != group.lease_id:
+                    # The group id is taken under some other lease, perhaps another worker's:
+                    # say only that, and nothing about that group.
+                    raise _fault(ErrorCode.idempotency_conflict,
+                                 "this group_id is already taken by another submission; use a new group id")
+                if row["group_id"] == group.group_id and row["content_hash"] == group.content_hash:
                     receipt = SubmissionReceipt.model_validate_json(row["receipt"])
                     return SubmitOutcome(receipt=receipt.model_copy(update={"duplicate": True}), rejected=[])
-                raise ExchangeFault(
+                raise ExchangeFault(  # this worker's own lease and group: naming them leaks nothing
                     ErrorCode.idempotency_conflict,
                     f"lease {row['lease_id']} already delivered group {row['group_id']} with other content",
                     details={"stored_group_id": row["group_id"], "stored_content_hash": row["content_hash"]},
                 )
-            lease_row = conn.execute("SELECT body, state, expires_at FROM leases WHERE lease_id=?",
-                                     (group.lease_id,)).fetchone()
-            if lease_row is None:
-                unknown = list(findings) + [
-                    Finding(RejectionReason.unknown_lease, f"no lease {group.lease_id} was issued")]
-                self._record_rejection(conn, now, group, unknown)
-                return SubmitOutcome(receipt=None, rejected=unknown)
             lease = RolloutLease.model_validate_json(lease_row["body"])
             lease = lease.model_copy(update={"state": LeaseState(lease_row["state"])})
-            if lease.worker_id != group.worker_id:
-                raise _fault(ErrorCode.forbidden, f"lease {lease.lease_id} belongs to another worker")
             manifest = self._manifest(conn, group.worker_id)
             ack = conn.execute("SELECT fingerprint FROM reload_acks WHERE worker_id=? AND policy_version=?",
                                (group.worker_id, lease.policy_version)).fetchone()
             all_findings = list(findings) + check_against_lease(
                 group, lease, now=_ts(now), acked_fingerprint=None if ack is None else ack[0],
-                public_key=self._public_key(manifest),
+                public_key=self._public_key(manifest), manifest=manifest,
             )
             if all_findings:
                 self._record_rejection(conn, now, group, all_findings)
@@ -766,13 +772,12 @@ class SqliteStore(Store):
 
     @staticmethod
     def _issued_lease(conn: sqlite3.Connection, worker_id: str, lease_id: str) -> sqlite3.Row:
-        """The lease row, if it exists, is `worker_id`'s and still issued; else the typed fault."""
+        """The lease row, if it exists, is `worker_id`'s and still issued; else the typed fault.
+        Another worker's lease is answered exactly as one that does not exist."""
         row = conn.execute("SELECT job_id, worker_id, state, expires_at, body FROM leases WHERE lease_id=?",
                            (lease_id,)).fetchone()
-        if row is None:
-            raise _fault(ErrorCode.not_found, f"unknown lease {lease_id}")
-        if row["worker_id"] != worker_id:
-            raise _fault(ErrorCode.forbidden, f"lease {lease_id} belongs to another worker")
+        if row is None or row["worker_id"] != worker_id:
+            raise ExchangeFault(ErrorCode.not_found, UNKNOWN_LEASE)
         if row["state"] != "issued":
             raise ExchangeFault(ErrorCode.lease_not_active, f"lease {lease_id} is {row['state']}",
                                 details={"state": row["state"]})
@@ -810,6 +815,7 @@ class SqliteStore(Store):
             if policy is None:
                 raise _fault(ErrorCode.not_found, f"policy version {ack.policy_version} was never published")
             if ack.checkpoint_digest != policy.checkpoint_digest:
+                # Other workers' conflicting acks go to the audit log, never into the answer.
                 others = [dict(r) for r in conn.execute(
                     "SELECT worker_id, digest FROM reload_acks WHERE policy_version=? AND digest != ?",
                     (ack.policy_version, ack.checkpoint_digest))]
@@ -823,7 +829,7 @@ class SqliteStore(Store):
                     f"worker {ack.worker_id} acked version {ack.policy_version} with digest "
                     f"{ack.checkpoint_digest[:12]}…, the published digest is {policy.checkpoint_digest[:12]}…",
                     details={"published_digest": policy.checkpoint_digest,
-                             "acked_digest": ack.checkpoint_digest, "conflicting_acks": others},
+                             "acked_digest": ack.checkpoint_digest},
                 ))
             # Touched only once the ack is accepted: a refused ack keeps nothing but its violation.
             self._touch_worker(conn, ack.worker_id, now)
@@ -856,7 +862,10 @@ class SqliteStore(Store):
             existing = conn.execute("SELECT manifest FROM policies WHERE version=?",
                                     (manifest.policy_version,)).fetchone()
             if existing is not None:
-                if PolicyManifest.model_validate_json(existing[0]) == manifest:
+                # The same content again (created_at aside: a retry or a resumed trainer builds
+                # the manifest anew) is a no-op; other content under the version is a conflict.
+                stored = PolicyManifest.model_validate_json(existing[0])
+                if stored.model_copy(update={"created_at": manifest.created_at}) == manifest:
                     return
                 raise _fault(ErrorCode.version_conflict,
                              f"policy version {manifest.policy_version} was already published with other content")
@@ -1012,55 +1021,62 @@ class SqliteStore(Store):
 
         return await self._read(read)
 
+    def _report(self, conn: sqlite3.Connection, trainer_id: str, group_id: str, decision: GroupDecision | None,
+                feedback: TrainerFeedback | None, now: float) -> ReportReceipt:
+        row = conn.execute("SELECT worker_id, tier, status FROM groups WHERE group_id=?",
+                           (group_id,)).fetchone()
+        if row is None:
+            raise _fault(ErrorCode.not_found, f"unknown group {group_id}")
+        tier, status = row["tier"], row["status"]
+        if decision is not None:
+            conn.execute(
+                "INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?, ?, ?, ?, ?)",
+                (group_id, trainer_id, decision.status.value, decision.model_dump_json(), now),
+            )
+            if decision.status in (DecisionStatus.train, DecisionStatus.train_with_correction):
+                status = "consumed"
+            elif decision.status is DecisionStatus.replay:
+                tier = Tier.replay.value
+            elif decision.status is DecisionStatus.quarantine:
+                tier = Tier.quarantine.value
+            else:
+                status = "dropped"
+            conn.execute("UPDATE groups SET tier=?, status=? WHERE group_id=?", (tier, status, group_id))
+            self._audit(conn, now, "group.decided", trainer_id, group_id, {
+                "status": decision.status.value, "reasons": [r.value for r in decision.reasons],
+                "rejection_reasons": [r.value for r in decision.rejection_reasons],
+                "tier": tier, "group_status": status,
+                "token_ess": None if decision.report is None else decision.report.token_ess,
+            })
+        worker = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (row["worker_id"],)).fetchone()
+        quality = worker["quality"]
+        if feedback is not None:
+            alpha = self.settings.feedback_alpha
+            quality = (1 - alpha) * quality + alpha * feedback.score
+            conn.execute(
+                "UPDATE workers SET quality=?, feedback_count=feedback_count+1 WHERE worker_id=?",
+                (quality, row["worker_id"]),
+            )
+            conn.execute(
+                "INSERT INTO feedback (group_id, worker_id, trainer_id, score, body, received_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (group_id, row["worker_id"], trainer_id, feedback.score, feedback.model_dump_json(), now),
+            )
+            self._audit(conn, now, "feedback.recorded", trainer_id, row["worker_id"], {
+                "group_id": group_id, "score": feedback.score, "quality": quality,
+            })
+        return ReportReceipt(group_id=group_id, tier=tier, status=status,
+                             worker_id=row["worker_id"], worker_quality=quality)
+
     async def report(self, trainer_id: str, group_id: str, decision: GroupDecision | None,
                      feedback: TrainerFeedback | None, now: float) -> ReportReceipt:
-        def tx(conn: sqlite3.Connection) -> ReportReceipt:
-            row = conn.execute("SELECT worker_id, tier, status FROM groups WHERE group_id=?",
-                               (group_id,)).fetchone()
-            if row is None:
-                raise _fault(ErrorCode.not_found, f"unknown group {group_id}")
-            tier, status = row["tier"], row["status"]
-            if decision is not None:
-                conn.execute(
-                    "INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?, ?, ?, ?, ?)",
-                    (group_id, trainer_id, decision.status.value, decision.model_dump_json(), now),
-                )
-                if decision.status in (DecisionStatus.train, DecisionStatus.train_with_correction):
-                    status = "consumed"
-                elif decision.status is DecisionStatus.replay:
-                    tier = Tier.replay.value
-                elif decision.status is DecisionStatus.quarantine:
-                    tier = Tier.quarantine.value
-                else:
-                    status = "dropped"
-                conn.execute("UPDATE groups SET tier=?, status=? WHERE group_id=?", (tier, status, group_id))
-                self._audit(conn, now, "group.decided", trainer_id, group_id, {
-                    "status": decision.status.value, "reasons": [r.value for r in decision.reasons],
-                    "rejection_reasons": [r.value for r in decision.rejection_reasons],
-                    "tier": tier, "group_status": status,
-                    "token_ess": None if decision.report is None else decision.report.token_ess,
-                })
-            worker = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (row["worker_id"],)).fetchone()
-            quality = worker["quality"]
-            if feedback is not None:
-                alpha = self.settings.feedback_alpha
-                quality = (1 - alpha) * quality + alpha * feedback.score
-                conn.execute(
-                    "UPDATE workers SET quality=?, feedback_count=feedback_count+1 WHERE worker_id=?",
-                    (quality, row["worker_id"]),
-                )
-                conn.execute(
-                    "INSERT INTO feedback (group_id, worker_id, trainer_id, score, body, received_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
-                    (group_id, row["worker_id"], trainer_id, feedback.score, feedback.model_dump_json(), now),
-                )
-                self._audit(conn, now, "feedback.recorded", trainer_id, row["worker_id"], {
-                    "group_id": group_id, "score": feedback.score, "quality": quality,
-                })
-            return ReportReceipt(group_id=group_id, tier=tier, status=status,
-                                 worker_id=row["worker_id"], worker_quality=quality)
+        return await self._write(lambda conn: self._report(conn, trainer_id, group_id, decision, feedback, now))
 
-        return await self._write(tx)
+    async def report_many(self, reports: list[tuple[str, str, GroupDecision | None, TrainerFeedback | None]],
+                          now: float) -> list[ReportReceipt]:
+        # One operation, so one savepoint: an unknown group anywhere rolls the whole batch back.
+        return await self._write(lambda conn: [self._report(conn, trainer_id, group_id, decision, feedback, now)
+                                               for trainer_id, group_id, decision, feedback in reports])
 
     # -- operations -----------------------------------------------------------------------
     async def reap(self, now: float) -> ReapResult:

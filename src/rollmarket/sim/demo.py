@@ -282,7 +282,10 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
                 follower.poll()
                 lines = _trainer_lines(metrics_path)
                 fired = follower.paths()
-                waiting = [w for w, _ in config.real_workers if not follower.per_worker[w]["accepted"]]
+                # A real worker counts once the trainer has judged one of its groups (accepted is not
+                # enough: a stale group waits in the replay tier until the trainer asks for it).
+                waiting = [w for w, _ in config.real_workers
+                           if not any(k.startswith("decision:") for k in follower.per_worker[w])]
                 progress.update(real_task, completed=len(config.real_workers) - len(waiting),
                                 info=("waiting for " + ", ".join(waiting)) if waiting else "all delivered")
                 missing = [name for name, count in fired.items() if not count and config.workers] + waiting

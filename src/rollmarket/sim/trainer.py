@@ -131,33 +131,41 @@ def run(url: str, token: str, steps: int, jobs_per_step: int, group_size: int, m
         real: dict[str, list[float]] = {"ess": [], "abs_delta": [], "flip": [], "reward": []}
         per_precision: dict[str, dict[str, list[float]]] = {}
         deadline = time.time() + step_seconds
+
+        def judge(fetched) -> None:
+            group = fetched.group
+            logprobs, experts = scorer(group)
+            report = budget_report(group, logprobs, trainer_routed_experts=experts,
+                                   policy_lag_steps=fetched.current_lag, config=gate)
+            if scorer.is_real(group):
+                mine = per_precision.setdefault(group.precision_class,
+                                                {"ess": [], "abs_delta": [], "flip": [], "reward": []})
+                for bucket in (real, mine):
+                    bucket["ess"].append(report.token_ess)
+                    bucket["abs_delta"].append(report.mean_abs_delta)
+                    if report.router_flip_rate is not None:
+                        bucket["flip"].append(report.router_flip_rate)
+                    bucket["reward"].extend(t.reward for t in group.trajectories)
+            decision = decide(report, gate, decided_by="sim-trainer")
+            trainer.report(group.group_id, decision)
+            decisions[decision.status.value] += 1
+            ess.append(report.token_ess)
+            abs_delta.append(report.mean_abs_delta)
+
         while time.time() < deadline:
             batch = trainer.fetch(tier=Tier.fresh, limit=32)
             for fetched in batch.groups:
-                group = fetched.group
-                logprobs, experts = scorer(group)
-                report = budget_report(group, logprobs, trainer_routed_experts=experts,
-                                       policy_lag_steps=fetched.current_lag, config=gate)
-                if scorer.is_real(group):
-                    mine = per_precision.setdefault(group.precision_class,
-                                                    {"ess": [], "abs_delta": [], "flip": [], "reward": []})
-                    for bucket in (real, mine):
-                        bucket["ess"].append(report.token_ess)
-                        bucket["abs_delta"].append(report.mean_abs_delta)
-                        if report.router_flip_rate is not None:
-                            bucket["flip"].append(report.router_flip_rate)
-                        bucket["reward"].extend(t.reward for t in group.trajectories)
-                decision = decide(report, gate, decided_by="sim-trainer")
-                trainer.report(group.group_id, decision)
-                decisions[decision.status.value] += 1
-                ess.append(report.token_ess)
-                abs_delta.append(report.mean_abs_delta)
+                judge(fetched)
             if not batch.groups:
                 time.sleep(0.1)
         replay_served = 0
         if replay_every and step % replay_every == replay_every - 1:
-            # Replay is served only because it is asked for; the demo counts what comes back.
-            replay_served = len(trainer.fetch(tier=Tier.replay, limit=8).groups)
+            # Replay is served only because it is asked for; the demo counts what comes back and judges
+            # it like any group (on a loaded machine the real workers' groups may all arrive stale).
+            replayed = trainer.fetch(tier=Tier.replay, limit=8).groups
+            replay_served = len(replayed)
+            for fetched in replayed:
+                judge(fetched)
         previous = version
         version += 1
         publish(trainer, version, checkpoints)

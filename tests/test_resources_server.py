@@ -276,6 +276,30 @@ def test_bad_tool_calls_are_data_and_recorded(server):
     post(server.url, "/close_session", session=session)
 
 
+def test_calls_beyond_the_contract_limits_are_typed_or_recorded_raw(server):
+    """Merging the contract limits made these 500s (a record that could not hold the call): a name
+    no tool can have, a call id no record holds and arguments too long to keep are typed errors that
+    record nothing; arguments nested deeper than the JSON limits are a call recorded with its raw text."""
+    session = seed(server.url, TaskSpec(task_id="limits", prompt="?", tools=["calculator"], verifier="tool_use",
+                                        verifier_args={"required": ["calculator"]}))
+    assert_error(post(server.url, "/" + "t" * 129, {}, session=session), 404, "not_found")
+    too_long_id = httpx.post(server.url + "/calculator", content=b'{"expression": "1+1"}',
+                             headers={"content-type": "application/json", "x-rollmarket-session": session,
+                                      "x-rollmarket-call-id": "c" * 257}, timeout=60)
+    assert_error(too_long_id, 422, "invalid_request")
+    padded = b'{"expression": "1+1", "pad": "' + b"x" * 1_000_001 + b'"}'
+    assert_error(post(server.url, "/calculator", content=padded, session=session), 413, "payload_too_large")
+    deep = b'{"expression": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}"
+    result = post(server.url, "/calculator", content=deep, session=session)
+    assert result.status_code == 200, result.text
+    assert ToolResult.model_validate_json(result.content).outcome is ToolOutcome.bad_arguments
+    state = httpx.get(server.url + "/session", headers={"x-rollmarket-session": session}, timeout=60).json()
+    assert state["recorded_calls"] == 1  # only the deep call: the refused ones left no trace
+    verdict = VerifyResult.model_validate_json(post(server.url, "/verify", {"answer": "2"}, session=session).content)
+    assert verdict.info["calls"] == ["calculator"]
+    post(server.url, "/close_session", session=session)
+
+
 def test_closing_a_session_deletes_its_workspace(server):
     before = set(server.workspaces())
     session = seed(server.url, file_task(7))

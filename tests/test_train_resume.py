@@ -166,7 +166,7 @@ CASES = [
     # 3 a step: a step without one is rare, two in a row rarer still).
     (Failpoint.in_optimizer_step, None, ["rollout.group_size=4", "rollout.groups_per_step=3"]),
     (Failpoint.in_checkpoint_write, 2, []),  # resumes from v1, throws the partial v2 away, redoes step 2
-    (Failpoint.between_reports, 1, []),
+    (Failpoint.before_reports, 1, []),
     (Failpoint.after_checkpoint_before_publish, 1, []),
     (Failpoint.waiting_for_quorum, 1, ["eval.tasks=2", "eval.samples=2", "eval.max_turns=2"]),
     # async: step 2's jobs were enqueued during step 1 at version base; a resumed step 2 enqueues them again.
@@ -192,8 +192,12 @@ def test_kill_9_at_a_point_then_resume(cluster, tmp_path, point, step, extra):
     reported = decisions_of(cluster.db, run_dir.name)
     if point is Failpoint.in_checkpoint_write:
         assert list((run_dir / "checkpoints").glob(".v*.partial")), "the kill left no partial checkpoint"
-    if point is Failpoint.between_reports:
-        assert reported == 1  # one of step 1's two decisions reached the exchange
+    if point in (Failpoint.before_fetch, Failpoint.between_decisions, Failpoint.in_optimizer_step,
+                 Failpoint.in_checkpoint_write, Failpoint.before_reports):
+        # Decisions wait for their step's checkpoint: only earlier, committed steps' are at the exchange.
+        assert reported % shape["groups_per_step"] == 0
+        if step is not None:
+            assert reported == shape["groups_per_step"] * (step - 1)
     if point in (Failpoint.after_checkpoint_before_publish, Failpoint.waiting_for_quorum):
         assert reported == shape["groups_per_step"]
         base = base_version(cluster.db, run_dir.name)
@@ -211,7 +215,7 @@ def test_kill_9_of_a_local_run_then_resume(tmp_path):
     """--local: the kill takes the in-process exchange and workers down too; resume restarts them on
     the run's exchange.db."""
     overrides = [*QUICK, f"runs_root={json.dumps(str(tmp_path))}", "loop.steps=2"]
-    killed = train([*overrides, "--local"], failpoint="between_reports@1")
+    killed = train([*overrides, "--local"], failpoint="before_reports@1")
     assert killed.returncode == -9, f"{killed.stdout}\n{killed.stderr}"
     (run_dir,) = tmp_path.iterdir()
     resume(run_dir, "--local")

@@ -4,7 +4,7 @@ how the run ended, and what the verifier made of it."""
 from __future__ import annotations
 
 from enum import Enum
-from pydantic import Field
+from pydantic import Field, ValidationError, ValidatorFunctionWrapHandler, field_validator
 
 from .arrays import Logprobs, RoutedExperts, TokenIds
 from .base import Record
@@ -65,9 +65,20 @@ class ToolCallRecord(Record):
     name: Name
     raw_arguments: Text = Field(description="The arguments exactly as the model wrote them.")
     arguments: JsonObject | None = Field(
-        default=None, description="The parsed arguments; None when they were not a JSON object."
+        default=None, description="The parsed arguments; None when they were not a JSON object (or one "
+                                  "beyond the JSON limits: raw_arguments keeps them as written)."
     )
     result: ToolResult
+
+    @field_validator("arguments", mode="wrap")
+    @classmethod
+    def _arguments_or_none(cls, value, handler: ValidatorFunctionWrapHandler):
+        # A model (or a client of the resources server) may write arguments nested deeper than the
+        # limits allow; the call is still a call, recorded with its raw text, not a crash.
+        try:
+            return handler(value)
+        except ValidationError:
+            return None
 
 
 class AgentStep(Record):

@@ -34,8 +34,9 @@ class Failpoint(StrEnum):
     """Gradients computed (`backward`), the optimizer has not stepped."""
     in_checkpoint_write = "in_checkpoint_write"
     """The new weights are written into the partial checkpoint directory; its trainer state is not."""
-    between_reports = "between_reports"
-    """The checkpoint is complete; the first of its decisions went to the exchange, not the rest."""
+    before_reports = "before_reports"
+    """The checkpoint is complete; none of its decisions went to the exchange yet (they go in one
+    all-or-nothing request)."""
     after_checkpoint_before_publish = "after_checkpoint_before_publish"
     """The checkpoint is complete and its decisions reported; the version is not published."""
     waiting_for_quorum = "waiting_for_quorum"

@@ -410,13 +410,13 @@ class Trainer:
         return any(e.actor == self.trainer_id for e in page.events)
 
     def _report(self, decisions: list[GroupDecision], *, resumed: bool) -> None:
-        """Report a committed step's decisions; after a resume, only those the exchange lacks."""
-        for i, decision in enumerate(decisions):
-            if resumed and self._decided(decision.group_id):
-                continue
-            self.client.report(decision.group_id, decision)  # the decision, and feedback on the worker
-            if i == 0 and len(decisions) > 1:
-                failpoints.reach(Failpoint.between_reports)
+        """Report a committed step's decisions (and feedback on their workers) in one request, which
+        the exchange records all or none; after a resume, only when it lacks them: the batch is
+        atomic, so its first group's record answers for every group."""
+        failpoints.reach(Failpoint.before_reports)
+        if not decisions or (resumed and self._decided(decisions[0].group_id)):
+            return
+        self.client.report_many((d.group_id, d, True) for d in decisions)
 
     def _finish(self, outbox: StepOutbox, version: int, checkpoint: Path, *, resumed: bool = False) -> None:
         """Everything after a step's checkpoint: report, publish, quorum, evaluation, the step's rows.

@@ -46,6 +46,7 @@ from ..contracts import (
     VerifyResult,
     new_id,
 )
+from ..contracts.limits import MAX_KEY_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from .sessions import (
     CALL_ID_HEADER,
     SESSION_COOKIE,
@@ -333,7 +334,16 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
     async def call_tool(tool_name: str, request: Request) -> Response:
         """Run one tool call in the caller's session; the body is the arguments object."""
         session = caller(request)
+        call_id = request.headers.get(CALL_ID_HEADER)
+        if call_id is not None and len(call_id) > MAX_KEY_LENGTH:
+            raise Fault(ErrorCode.invalid_request, f"{CALL_ID_HEADER} is longer than {MAX_KEY_LENGTH} characters")
+        if len(tool_name) > MAX_NAME_LENGTH:  # no tool has such a name, and no record could hold it
+            raise Fault(ErrorCode.not_found, f"no tool has a name of {len(tool_name)} characters "
+                                             f"(at most {MAX_NAME_LENGTH})")
         raw = (await _body(request, settings.max_body_bytes)).decode("utf-8", errors="replace")
+        if len(raw) > MAX_TEXT_LENGTH:  # the call's record keeps the arguments as written
+            raise Fault(ErrorCode.payload_too_large, f"arguments of {len(raw)} characters exceed the limit "
+                                                     f"of {MAX_TEXT_LENGTH}")
         try:
             parsed = parse_json(raw) if raw.strip() else {}
         except BodyError:
@@ -350,7 +360,7 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
                 result = await in_pool(run, tool_name, arguments if arguments is not None else raw, session.context)
         finally:
             session.leave()
-        session.record(ToolCallRecord(id=request.headers.get(CALL_ID_HEADER) or new_id("call"), name=tool_name,
+        session.record(ToolCallRecord(id=call_id or new_id("call"), name=tool_name,
                                       raw_arguments=raw, arguments=arguments, result=result))
         return JSONResponse(result.model_dump(mode="json"))
 

@@ -269,4 +269,5 @@ def test_the_trainer_against_a_closed_port_waits_then_fails_in_one_line(tmp_path
     assert "Traceback" not in output
     assert f"waiting for the exchange at {url} (connection refused); retrying in" in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("Error: the exchange at " + url + " did not answer for"), last
+    assert last.startswith("error: the exchange at " + url + " did not answer for"), last
+    assert last.count(" — ") == 1 and "rollmarket exchange serve" in last  # what, then one way to fix it

@@ -151,7 +151,6 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
     --model-url it samples from that server. On a new policy it loads the checkpoint, checks the
     digest and acks the reload. Stops on Ctrl-C / SIGTERM.
     """
-    from ..client import ExchangeUnreachable
     from ..worker.host import EmbeddedHost, HostError, RemoteHost
     from ..worker.runner import AgentWorker
 
@@ -186,8 +185,6 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
     worker.events.listeners.append(show)
     try:
         worker.run(stop)
-    except ExchangeUnreachable as exc:
-        raise click.ClickException(str(exc)) from None
     finally:
         host.close()
         worker.events.close()

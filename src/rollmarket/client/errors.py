@@ -32,6 +32,10 @@ class ExchangeUnavailable(ExchangeError):
 class ExchangeUnreachable(ExchangeUnavailable):
     """The exchange did not answer at all within the time a process waits for it at start."""
 
+    fix = ("start it (`rollmarket exchange serve`), or point the worker's --exchange or the trainer's "
+           "exchange.url at it")
+    """How to fix it, for the CLI's one-line error."""
+
 
 class InvalidRequest(ExchangeError):
     """The request was malformed or did not fit the contract (400, 415, 422)."""

@@ -194,8 +194,7 @@ class HttpClient:
                 return
             raise ExchangeUnreachable(
                 f"the exchange at {self.url} did not answer for {time.monotonic() - started:.0f}s "
-                f"({describe(exc)}); start it with `rollmarket exchange serve`, or point the URL at it"
-            ) from None
+                f"({describe(exc)})") from None
         if said[0] > float("-inf"):
             log.warning("the exchange at %s answers; going on", self.url)
 

@@ -8,6 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -290,10 +291,9 @@ def last_seen(db: Path, worker_id: str) -> float:
         conn.close()
 
 
-def wait_until(what: str, condition, *, timeout: float = 60.0, every: float = 0.05):
-    """Poll `condition()` until it is truthy and return its value; fail after `timeout` seconds."""
-    import time
-
+def wait_until(what: str, condition, *, timeout: float = 60.0, every: float = 0.05, tick=None):
+    """Poll `condition()` until it is truthy and return its value; call `tick()` between polls.
+    Fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
@@ -301,4 +301,6 @@ def wait_until(what: str, condition, *, timeout: float = 60.0, every: float = 0.
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        if tick is not None:
+            tick()
         time.sleep(every)

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
-from helpers import job, last_seen, lease_one, manifest, policy, ready_worker, sha, trajectories
+from helpers import job, last_seen, lease_one, manifest, policy, ready_worker, sha, trajectories, wait_until
 from rollmarket import TrainerClient, WorkerClient
 from rollmarket.client import Conflict, DigestMismatch, Rejected
 from rollmarket.contracts import NoLeaseReason, RejectionReason, Tier
@@ -26,20 +26,6 @@ from rollmarket.gate import budget_report, decide
 
 def audit_events(trainer: TrainerClient, kind: str | None = None, subject: str | None = None):
     return trainer.audit(kind=kind, subject=subject, limit=10_000).events
-
-
-def wait_for(what: str, condition, *, timeout: float = 20.0, every: float = 0.1, tick=None):
-    """Poll `condition()` until it is truthy; call `tick()` between polls. Fail after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        if tick is not None:
-            tick()
-        time.sleep(every)
 
 
 def job_states(trainer: TrainerClient) -> dict[str, tuple[str, int]]:
@@ -72,7 +58,7 @@ def test_an_expired_lease_is_requeued_and_leased_by_another_worker(start_exchang
     lease_id = grant.lease.lease_id
     assert (grant.lease.expires_at - grant.lease.issued_at).total_seconds() == pytest.approx(1.5)
 
-    wait_for("lease.expired", lambda: audit_events(trainer, "lease.expired", lease_id))
+    wait_until("lease.expired", lambda: audit_events(trainer, "lease.expired", lease_id))
     (expired,) = audit_events(trainer, "lease.expired", lease_id)
     assert expired.actor == "reaper" and expired.data["job_id"] == rollout_job.job_id
     (requeued,) = audit_events(trainer, "job.requeued", rollout_job.job_id)
@@ -113,8 +99,8 @@ def test_a_silent_worker_dies_its_leases_are_abandoned_and_it_can_revive(start_e
     lease_id = grant.lease.lease_id
 
     # The survivor keeps beating; the doomed worker says nothing.
-    wait_for("worker.dead", lambda: audit_events(trainer, "worker.dead", "doomed"),
-             tick=survivor.heartbeat)
+    wait_until("worker.dead", lambda: audit_events(trainer, "worker.dead", "doomed"),
+               tick=survivor.heartbeat)
     assert worker_status(trainer) == {"doomed": "dead", "survivor": "alive"}
     (abandoned,) = audit_events(trainer, "lease.abandoned", lease_id)
     assert abandoned.actor == "reaper" and abandoned.data["worker_id"] == "doomed"
@@ -206,7 +192,7 @@ def test_k_of_n_reload_quorum_and_per_version_override(start_exchange):
     seen = last_seen(server.db, "w0")
     poller = threading.Thread(target=lambda: answer.setdefault("grant", w0.lease(wait_s=30)), daemon=True)
     poller.start()
-    wait_for("the long poll to reach the exchange", lambda: last_seen(server.db, "w0") > seen)
+    wait_until("the long poll to reach the exchange", lambda: last_seen(server.db, "w0") > seen)
     assert poller.is_alive(), answer
     third = w2.ack_reload(0, sha("ckpt-0"))
     assert (third.aligned, third.acks, third.active_version) == (True, 3, 0)
@@ -439,8 +425,8 @@ def test_restart_keeps_tokens_and_state_and_requeues_leases_expired_meanwhile(st
     short_grant = lease_one(sleeper_again)
     assert short_grant.job.job_id == short_job.job_id
     server.stop()
-    wait_for("the short lease to pass its expiry while the exchange is down",
-             lambda: time.time() > short_grant.lease.expires_at.timestamp() + 0.5, every=0.1)
+    wait_until("the short lease to pass its expiry while the exchange is down",
+               lambda: time.time() > short_grant.lease.expires_at.timestamp() + 0.5, every=0.1)
 
     # Third life: the reaper sweeps only every 60 s, so only start-up can re-queue the lease.
     server.args = ["--reaper-interval-s", "60", "--lease-ttl-s", "120"]

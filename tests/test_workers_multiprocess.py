@@ -16,23 +16,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from helpers import job, policy
+from helpers import job, policy, wait_until
 
 SCRIPT = Path(__file__).with_name("worker_script.py")
 WORKERS = 4
 JOBS = 40
 BATCH = 5
-
-
-def wait_for(what: str, condition, *, timeout: float, every: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 def test_worker_processes_complete_every_job_exactly_once(start_exchange, tmp_path):
@@ -52,7 +41,7 @@ def test_worker_processes_complete_every_job_exactly_once(start_exchange, tmp_pa
             err.close()
 
         # Every worker has registered and loaded v0 before the work arrives.
-        wait_for("all workers aligned", lambda: sum(w.aligned for w in trainer.workers()) == WORKERS,
+        wait_until("all workers aligned", lambda: sum(w.aligned for w in trainer.workers()) == WORKERS,
                  timeout=60)
         jobs = [job(i) for i in range(JOBS)]
         for start in range(0, JOBS, BATCH):
@@ -60,7 +49,7 @@ def test_worker_processes_complete_every_job_exactly_once(start_exchange, tmp_pa
             assert all(r.created for r in receipts)
             time.sleep(0.05)
 
-        wait_for("every job done", lambda: len(trainer.jobs(state="done", limit=1000)) == JOBS,
+        wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=1000)) == JOBS,
                  timeout=60, every=0.2)
     finally:
         stop_file.touch()

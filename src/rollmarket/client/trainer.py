@@ -99,19 +99,22 @@ class TrainerClient:
         stamped = group.model_copy(update={"policy_lag_steps": fetched.current_lag})
         return fetched.model_copy(update={"group": stamped})
 
+    def _feedback(self, decision: GroupDecision | None, feedback: TrainerFeedback | None | bool
+                  ) -> TrainerFeedback | None:
+        """`report`'s feedback argument as sent: True derives it from the decision, False sends none."""
+        if feedback is True:
+            if decision is None:
+                raise ExchangeError("feedback=True needs a decision to derive it from")
+            return TrainerFeedback.from_decision(decision, trainer_id=self.trainer_id)
+        return None if feedback is False else feedback
+
     def report(self, group_id: str, decision: GroupDecision | None = None,
                feedback: TrainerFeedback | None | bool = True) -> ReportReceipt:
         """Record a decision (moving the group between tiers) and feedback on its worker.
 
         `feedback=True` derives the feedback from the decision; `False` sends none.
         """
-        if feedback is True:
-            if decision is None:
-                raise ExchangeError("feedback=True needs a decision to derive it from")
-            feedback = TrainerFeedback.from_decision(decision, trainer_id=self.trainer_id)
-        elif feedback is False:
-            feedback = None
-        body = {"decision": decision, "feedback": feedback}
+        body = {"decision": decision, "feedback": self._feedback(decision, feedback)}
         return self.http.call("POST", f"/v1/groups/{group_id}/report", body=body, answer=ReportReceipt,
                               headers={"x-trainer-id": self.trainer_id})
 
@@ -120,15 +123,8 @@ class TrainerClient:
         """Several `report` calls in one request and one write: all are recorded or none is (an
         unknown group refuses the batch). Each item is (group_id, decision, feedback) with
         `feedback` as in `report`."""
-        items = []
-        for group_id, decision, feedback in reports:
-            if feedback is True:
-                if decision is None:
-                    raise ExchangeError("feedback=True needs a decision to derive it from")
-                feedback = TrainerFeedback.from_decision(decision, trainer_id=self.trainer_id)
-            elif feedback is False:
-                feedback = None
-            items.append({"group_id": group_id, "decision": decision, "feedback": feedback})
+        items = [{"group_id": group_id, "decision": decision, "feedback": self._feedback(decision, feedback)}
+                 for group_id, decision, feedback in reports]
         answer = self.http.call("POST", "/v1/groups/reports", body={"reports": items},
                                 headers={"x-trainer-id": self.trainer_id})
         return [ReportReceipt.model_validate(r) for r in answer["receipts"]]

@@ -33,6 +33,22 @@ def test_readme_opens_with_the_two_commands():
     assert "make demo" in head and "make test" in head
 
 
+def test_every_link_in_the_docs_resolves_inside_the_repository():
+    """A reader of a fresh clone has only the repository: a relative link that leaves it, or points
+    at nothing, is a dead end (the README once sent contributors to ../shared/)."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL or an anchor on the same page
+            path = (page.parent / target.split("#", 1)[0]).resolve()
+            if not path.is_relative_to(ROOT) or not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+        if "../shared/" in page.read_text():
+            broken.append(f"{page.relative_to(ROOT)}: mentions ../shared/, outside the repository")
+    assert not broken, broken
+
+
 def test_cli_reference_matches_help():
     """Regenerate with `python -m rollmarket.cli.reference > docs/cli.md`. Rendered in a fresh
     process: click caches each command's help option the first time a context asks for it, so

@@ -45,6 +45,10 @@ class NestingTooDeep(WireError):
     """A document nests containers deeper than MAX_DEPTH."""
 
 
+class LoneSurrogate(WireError):
+    """A JSON document holds a lone UTF-16 surrogate: valid JSON text, but not Unicode."""
+
+
 def _encode_array(array: np.ndarray) -> msgpack.ExtType:
     dtype = array.dtype.newbyteorder("<") if array.dtype.itemsize > 1 else array.dtype
     code = _CODE_OF.get(dtype)
@@ -187,14 +191,20 @@ def json_too_deep(body: bytes) -> bool:
     return int(np.cumsum(steps).max(initial=0)) > MAX_DEPTH
 
 
-def loads_json(body: bytes) -> Any:
+def loads_json(body: bytes | str, *, unique_keys: bool = True) -> Any:
     """Decode a request body sent as JSON, refusing what only a hostile or broken peer sends.
 
     UTF-8 only; at most MAX_DEPTH levels of nesting, measured on the bytes before the (recursive)
-    parser sees them; no object with a key twice; no lone UTF-16 surrogates (they cannot be
-    stored or re-encoded). The words NaN and Infinity parse, so that such logprobs reach the gate
-    and get their own typed rejection. Raises WireError.
+    parser sees them; no lone UTF-16 surrogates (LoneSurrogate: they cannot be stored or
+    re-encoded); with `unique_keys` (the exchange's contracts), no object with a key twice. The
+    words NaN and Infinity parse, so that such logprobs reach the gate and get their own typed
+    rejection. Raises WireError (NestingTooDeep and LoneSurrogate for those two causes).
     """
+    if isinstance(body, str):
+        try:
+            body = body.encode("utf-8")
+        except UnicodeEncodeError:
+            raise LoneSurrogate("JSON holds a lone UTF-16 surrogate") from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -202,7 +212,7 @@ def loads_json(body: bytes) -> Any:
     if json_too_deep(body):
         raise NestingTooDeep(f"JSON nests deeper than {MAX_DEPTH} levels")
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
     except WireError:
         raise
     except (ValueError, RecursionError) as exc:
@@ -211,5 +221,5 @@ def loads_json(body: bytes) -> Any:
         try:  # escapes of surrogate pairs are fine; a lone one cannot be encoded
             json.dumps(value, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise WireError("JSON holds a lone UTF-16 surrogate escape") from None
+            raise LoneSurrogate("JSON holds a lone UTF-16 surrogate escape") from None
     return value

@@ -21,10 +21,10 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
-from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..bodies import add_component_schemas, json_body
 from ..contracts import (
     AuditPage,
     EnqueueReceipt,
@@ -189,8 +189,7 @@ _ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in
 
 
 def _body(model: type[BaseModel]) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {JSON: {"schema": ref}, MSGPACK: {"schema": ref}}}}
+    return json_body(model, media_types=(JSON, MSGPACK))
 
 
 _BODY_MODELS: list[type[BaseModel]] = [WorkerManifest, WorkerHeartbeat, FailureReport, SampleGroup,
@@ -492,11 +491,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description,
                              routes=app.routes)
-        _, defs = models_json_schema([(m, "validation") for m in _BODY_MODELS],
-                                     ref_template="#/components/schemas/{model}")
-        schema.setdefault("components", {}).setdefault("schemas", {})
-        for name, model_schema in defs.get("$defs", {}).items():
-            schema["components"]["schemas"].setdefault(name, model_schema)
+        add_component_schemas(schema, _BODY_MODELS)
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         app.openapi_schema = schema
         return schema

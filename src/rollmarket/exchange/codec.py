@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from .. import bodies
 from ..contracts import ErrorCode
 from ..contracts.wire import JSON, MSGPACK, NestingTooDeep, WireError, loads_json, packb, unpack_request
 from .errors import ExchangeFault
@@ -19,20 +20,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
-        raise ExchangeFault(ErrorCode.payload_too_large,
-                            f"body of {declared} bytes exceeds the limit of {max_bytes}",
-                            details={"limit": max_bytes})
-    chunks = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise ExchangeFault(ErrorCode.payload_too_large,
-                                f"body exceeds the limit of {max_bytes} bytes", details={"limit": max_bytes})
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await bodies.read_body(request, max_bytes)
+    except bodies.BodyError as exc:
+        raise ExchangeFault(ErrorCode.payload_too_large, str(exc), details={"limit": max_bytes}) from None
 
 
 def media_type(request: Request) -> str:

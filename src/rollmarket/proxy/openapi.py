@@ -8,12 +8,13 @@ and the proxy's own errors (unreachable or silent upstream, unknown route) are O
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import __version__
-from ..bodies import add_component_schemas, json_body
+from ..bodies import OPENAI_ERROR_SCHEMA, add_component_schemas, json_body
 
 
 class _Generation(BaseModel):
@@ -44,11 +45,8 @@ class CompletionCall(_Generation):
     logprobs: int | None = Field(None, ge=0, le=20, description="Added as 0 when left out.")
 
 
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERROR_SCHEMA: dict[str, Any] = copy.deepcopy(OPENAI_ERROR_SCHEMA)
+_ERROR_SCHEMA["properties"]["error"]["required"] = ["message", "type"]  # an upstream's may leave param, code out
 
 
 def _errors(*statuses: int) -> dict[str, Any]:

@@ -23,13 +23,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..bodies import BodyError, add_component_schemas, json_body, parse_json
+from ..bodies import (
+    OPENAI_ERROR_SCHEMA,
+    BodyError,
+    BodyProblem,
+    add_component_schemas,
+    json_body,
+    parse_json,
+    read_body,
+)
 from ..engines import RolloutEngine, SamplingParams
 from .batcher import DONE, Batcher, Pending
 from .choice import ChoiceState
 from .detok import Detokenizer
 from .protocol import (
-    OPENAI_ERROR_SCHEMA,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -244,13 +251,11 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         return _error(OpenAIError(f"internal error: {type(exc).__name__}", status=500, type_="server_error"))
 
     async def _object(request: Request) -> dict:
-        body = await request.body()
-        if len(body) > settings.max_body_bytes:
-            raise OpenAIError(f"the body has {len(body)} bytes; the limit is {settings.max_body_bytes}",
-                              status=413, code="payload_too_large")
         try:
-            payload = parse_json(body)
+            payload = parse_json(await read_body(request, settings.max_body_bytes))
         except BodyError as exc:
+            if exc.problem is BodyProblem.too_large:
+                raise OpenAIError(str(exc), status=413, code="payload_too_large") from None
             raise OpenAIError(f"request body: {exc}", code=exc.problem.value) from None
         if not isinstance(payload, dict):
             raise OpenAIError("request body must be a JSON object")

@@ -22,14 +22,6 @@ MAX_PROMPTS = 256
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
-OPENAI_ERROR_SCHEMA: dict[str, Any] = {
-    "title": "OpenAIErrorBody", "type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
-"""OpenAI's error body, which every 4xx and 5xx of the model server carries."""
-
-
 class OpenAIError(Exception):
     """An error returned to the client in OpenAI's ``{"error": {...}}`` shape."""
 

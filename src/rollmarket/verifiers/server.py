@@ -32,7 +32,7 @@ from pydantic import Field, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..bodies import BodyError, add_component_schemas, json_body, parse_json
+from ..bodies import BodyError, add_component_schemas, json_body, parse_json, read_body
 from ..contracts import (
     AgentTrajectory,
     ErrorBody,
@@ -131,16 +131,10 @@ class Fault(Exception):
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise Fault(ErrorCode.payload_too_large, f"body of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise Fault(ErrorCode.payload_too_large, f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        return await read_body(request, limit)
+    except BodyError as exc:
+        raise Fault(ErrorCode.payload_too_large, str(exc)) from None
 
 
 def _json(body: bytes) -> Any:

@@ -26,8 +26,9 @@ Crash safety. The checkpoint is the step's commit: written to a partial director
 renamed. The exchange learns a step's decisions only after that rename, so a kill -9 anywhere
 before it leaves the step's groups undecided at the exchange (served, not consumed): the resumed
 trainer fetches them again (`include_served`) and judges them with the same π_old (the previous
-checkpoint). A kill after the rename is finished from the checkpoint's outbox: decisions the
-exchange has not recorded (its audit log says which) are reported, the version is published if it
+checkpoint). A kill after the rename is finished from the checkpoint's outbox: its decisions are
+reported in one all-or-nothing request unless the exchange's audit log shows them, the version is
+published if it
 is not, the quorum is awaited, and the metrics and generations rows are written. Those files are
 repaired on resume (torn lines and rows of uncommitted steps dropped), so every step has one
 metrics row and every judged trajectory one generations row. `failpoints` kills the process at
@@ -51,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..client import ExchangeError, TrainerClient
+from ..client import Conflict, ExchangeError, TrainerClient
 from ..contracts import DecisionStatus, GroupDecision, PolicyManifest, RolloutJob, SamplingConfig, Tier
 from ..engines.precision import Precision
 from ..engines.provenance import checkpoint_digest
@@ -263,22 +264,18 @@ class Trainer:
             quantization_class=Precision(self.config.rollout.precisions[0]).quantization)
 
     def _publish(self, version: int, path: Path, digest: str) -> None:
-        """Publish `version` unless the exchange already has it (a crash after the publish reached it).
-
-        A version the exchange holds with another digest, or a newer published version, means another
-        trainer publishes to this exchange: that is refused rather than trained over.
+        """Publish `version`. The exchange takes the same content again as a no-op (a crash after the
+        publish reached it); other content under the version, or a newer version already published,
+        means another trainer publishes to this exchange: that is refused rather than trained over.
         """
-        published = self.client.pool().published_version
-        if published is None or published < version:
-            self.client.publish_policy(self._manifest(version, path, digest), quorum=self.config.loop.quorum)
-            return
-        if published > version:
-            raise TrainingError(f"the exchange has version {published} published, newer than this run's "
-                                f"v{version}: another trainer is using it")
-        held = next((m for m in self.client.policies() if m.policy_version == version), None)
-        if held is None or held.checkpoint_digest != digest:
-            raise TrainingError(f"the exchange's version {version} is not this run's {path} (another digest): "
-                                f"another trainer is using it")
+        try:
+            pool = self.client.publish_policy(self._manifest(version, path, digest), quorum=self.config.loop.quorum)
+        except Conflict as exc:
+            raise TrainingError(f"the exchange refused this run's v{version} ({exc.message}): another trainer "
+                                f"is using it") from None
+        if pool.published_version is not None and pool.published_version > version:
+            raise TrainingError(f"the exchange has version {pool.published_version} published, newer than this "
+                                f"run's v{version}: another trainer is using it")
 
     # -- jobs ---------------------------------------------------------------------------------------
 

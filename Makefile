@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint venv venv-test browser sandbox curl bench models schema clean
+.PHONY: demo test lint venv venv-test browser sandbox bench models schema clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,12 +37,7 @@ sandbox:
 	@command -v bwrap >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y bubblewrap; }
 
-# The README's first quickstart waits for its servers with curl; a test runs it as pasted.
-curl:
-	@test -x /usr/bin/curl || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y curl; }
-
-test: venv-test browser sandbox curl lint
+test: venv-test browser sandbox lint
 	$(BIN)/python -m pytest
 
 lint: venv-test

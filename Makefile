@@ -49,6 +49,8 @@ bench: venv-test
 	$(BIN)/python benchmarks/serve_throughput.py
 	$(BIN)/python benchmarks/teacher_forcing.py
 	$(BIN)/python benchmarks/agent_collect.py
+	$(BIN)/python benchmarks/python_eval_cost.py
+	$(BIN)/python benchmarks/cli_startup.py
 
 # Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 40 minutes on 2 cores).
 models: venv

@@ -55,6 +55,8 @@ EXPECTED: tuple[Expected, ...] = (
              "start the model server first (`rollmarket serve-model`) or fix --model-url"),
     Expected("rollmarket.verifiers.client", "ResourcesError", FAILURE,
              "start it (`rollmarket verifier serve`) or fix --resources-url"),
+    Expected("rollmarket.research.squeeze", "BadRetention", USAGE),
+    Expected("rollmarket.research.squeeze", "SqueezeError", FAILURE),
     Expected("httpx", "TransportError", FAILURE, "is the server running at that address?"),
 )
 

@@ -61,6 +61,11 @@ COMMANDS: dict[str, LazyCommand] = {
     "schema": LazyCommand("rollmarket.cli.schema", "schema", "Write the JSON Schema of every contract."),
     "serve-model": LazyCommand("rollmarket.cli.serve", "serve_model",
                                "Serve MODEL_PATH (any Hugging Face causal LM directory) with the OpenAI API."),
+    "squeeze": LazyCommand("rollmarket.cli.squeeze", "squeeze",
+                           "Analyse the rank of RUN's LoRA adapter: the singular values of each module's update "
+                           "scale·B·A, the energy (Σσ²) kept by rank 1…r, the smallest rank that keeps the "
+                           "retention, and the rank to retrain with (the largest module rank); writes "
+                           "RUN/squeeze.json."),
     "suites": LazyCommand("rollmarket.cli.suites", "suites",
                           "List, show, rebuild and export the shipped task suites (JSONL of TaskSpec lines)."),
     "train": LazyCommand("rollmarket.cli.train", "train_command",

@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..gate import GateConfig
+from ..research.squeeze import SqueezeSettings
 from .lora import LoraSettings
 
 
@@ -163,6 +164,7 @@ class TrainConfig(_Section):
     correction: CorrectionSection = CorrectionSection()
     optim: OptimSection = OptimSection()
     lora: LoraSettings = LoraSettings()
+    squeeze: SqueezeSettings = SqueezeSettings()
     loop: LoopSection = LoopSection()
     gate: GateConfig = GateConfig()
     eval: EvalSection = EvalSection()

@@ -103,8 +103,9 @@ def table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
     return "\n".join([lines[0], "|" + "|".join(rule) + "|", *lines[1:]])
 
 
-def provenance(path: str, meta: dict, *, date: str | None = None) -> str:
-    """The one line that keeps a result's file, machine and date with its numbers."""
+def provenance(path: str, meta: dict, *, date: str | None = None, inline: bool = False) -> str:
+    """The one line that keeps a result's file, machine and date with its numbers (`inline`: as a
+    clause inside a sentence)."""
     machine = meta.get("machine")
     if isinstance(machine, dict):
         parts = [machine.get("platform", "")]
@@ -127,7 +128,10 @@ def provenance(path: str, meta: dict, *, date: str | None = None) -> str:
                 parts.append(f"{key.replace('_name', '')} {meta[key]}" if key in ("torch", "transformers", "triton")
                              else str(meta[key]))
     when = date or meta.get("date") or meta.get("created_at")
-    return f"Raw result: `{path}`. Machine: {', '.join(p for p in parts if p)}. Date: {when}."
+    machine_text = ", ".join(p for p in parts if p)
+    if inline:
+        return f"raw result `{path}`; Machine: {machine_text}; Date: {when}"
+    return f"Raw result: `{path}`. Machine: {machine_text}. Date: {when}."
 
 
 # ---- exchange throughput ------------------------------------------------------------------------
@@ -307,7 +311,7 @@ def _():
             for m in ("tiny-moe", "tiny-dense") for b in (1, 32)]
     meta = load(SERVE_CUDA)["meta"]
     return (
-        f"On one GPU (`benchmarks/serve_throughput.py --device cuda`; {provenance(SERVE_CUDA, meta)}) the tiny\n"
+        f"On one GPU (`benchmarks/serve_throughput.py --device cuda`; {provenance(SERVE_CUDA, meta, inline=True)}) the\ntiny "
         f"models are launch-bound: the engine alone reaches {n(me1)} → {n(me32)} tok/s (tiny-moe, {me32 / me1:.0f}×) "
         f"and {n(de1)} → {n(de32)}\n(tiny-dense, {de32 / de1:.0f}×) from batch 1 to 32, but through HTTP only "
         f"{n(mh1)} → {n(mh32)} and {n(dh1)} → {n(dh32)}: bursts split into\ntwo engine batches and the event loop "
@@ -501,7 +505,7 @@ def _():
     return (
         "Earlier numbers, before the kernel (the engine at 1,024 positions a chunk with the torch chunk math\n"
         "and a KV cache, against the naive logprobs-only path; "
-        f"{provenance(TF_BEFORE, meta)} This file is the\nfirst version of `teacher_forcing-cuda.json`, restored from "
+        f"{provenance(TF_BEFORE, meta, inline=True)}. This file is the\nfirst version of `teacher_forcing-cuda.json`, restored from "
         "git history (commit b9b5003)): " + ", ".join(parts)
         + f",\nat {span(f'{min(engine_gib):.2f}', f'{max(engine_gib):.2f}')} GiB against "
         f"{gib(rows[('qwen3-0.6b', 'naive')]['peak_extra_bytes'])}."
@@ -514,12 +518,15 @@ def _():
     rows = _tf(TF_CPU)
     out = []
     for shape in ("tiny-dense", "tiny-moe", "bigvocab"):
-        e, nv = rows[(shape, "engine")], rows[(shape, "naive")]
+        # This file's first version named the logprobs-only baseline "naive"; the script today calls it
+        # "naive-logprobs" (and "naive" adds the entropy).
+        e = rows[(shape, "engine")]
+        nv = rows.get((shape, "naive-logprobs"), rows[(shape, "naive")])
         label = (f"{shape}, {e['batch']}×{e['seq']}" if shape != "bigvocab"
                  else f"vocab {n(e['vocab'])}, {e['batch']}×{e['seq']}")
-        out.append([label, n(e["tokens_per_s"]), n(nv["tokens_per_s"]), times(e["speedup_vs_naive"]),
+        out.append([label, n(e["tokens_per_s"]), n(nv["tokens_per_s"]), times(e["tokens_per_s"] / nv["tokens_per_s"]),
                     f"{gib(e['peak_extra_bytes'])} / {gib(nv['peak_extra_bytes'])}",
-                    times(e["peak_extra_ratio_vs_naive"])])
+                    times(e["peak_extra_bytes"] / nv["peak_extra_bytes"])])
     return (provenance(TF_CPU, meta) + "\n\n"
             + table(["shape", "engine tok/s", "naive-logprobs tok/s", "speed",
                      "peak extra GiB engine / naive-logprobs", "memory"], list("lrrrrr"), out))
@@ -774,7 +781,7 @@ EXP_A = "experiments/results/exp-a"
 
 @cache
 def exp_a() -> dict:
-    """Experiment (a): the manifest and every seed's record (see experiments/results/exp-a/README.md)."""
+    """Experiment (a): its manifest.json (command, machine, date, what was not kept) and one record per seed."""
     root = ROOT / EXP_A
     seeds = sorted(root.glob("seed*.json"), key=lambda p: int(p.stem.removeprefix("seed")))
     return {"manifest": load(f"{EXP_A}/manifest.json"),

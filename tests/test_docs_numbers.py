@@ -43,6 +43,33 @@ def test_a_changed_number_is_caught_and_restored():
     assert render.render(tampered) == text
 
 
+def test_check_fails_when_a_result_changes_and_the_rewrite_follows(tmp_path, monkeypatch):
+    """A copy of the repository's docs and results where one raw number moved: --check exits 1 and
+    changes nothing; the plain run rewrites the doc to the new number; --check then passes."""
+    import shutil
+
+    for folder in ("docs", "benchmarks/results", "experiments/results"):
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    path = tmp_path / "benchmarks/results/agent_collect.json"
+    data = json.loads(path.read_text())
+    data["rows"][2]["runs_per_s"] = 99.5
+    path.write_text(json.dumps(data))
+    doc = tmp_path / "docs/benchmarks.md"
+    before = doc.read_text()
+
+    def run(*args: str) -> int:
+        render = renderer()
+        monkeypatch.setattr(render, "ROOT", tmp_path)
+        return render.main(list(args))
+
+    assert run("--check") == 1
+    assert doc.read_text() == before
+    assert run() == 0
+    row = next(line for line in doc.read_text().splitlines() if line.startswith("| 32 | 96 |"))
+    assert "| 99.50 |" in row
+    assert run("--check") == 0
+
+
 def test_a_table_number_comes_from_the_json():
     """An independent read of one raw result: the exchange's 16-worker msgpack rate, in millions."""
     results = json.loads((ROOT / "benchmarks/results/exchange_throughput.json").read_text())["results"]
@@ -89,7 +116,7 @@ def test_every_result_keeps_its_machine_and_date():
     """Each generated block that names a raw result also names the machine and the date it ran."""
     for doc in ("docs/benchmarks.md", "docs/experiments.md"):
         blocks = re.findall(r"<!-- generated: [a-z0-9-]+ -->\n(.*?)<!-- /generated -->", (ROOT / doc).read_text(), re.S)
-        named = [b for b in blocks if re.search(r"Raw results?: `", b)]
+        named = [b for b in blocks if re.search(r"(?i)raw results?:? `", b)]
         assert named, doc
         for text in named:
             assert re.search(r"Machine: \S", text) and re.search(r"Date: 2\d{3}-\d\d-\d\d", text), text

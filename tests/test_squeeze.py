@@ -18,8 +18,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import save_file
 
-from rollmarket.research.squeeze import (BadRetention, NoAdapter, NoCheckpoint, NotARun, analyse, energy_kept,
-                                         lora_singular_values, rank_for, squeeze_run)
+from rollmarket.research.squeeze import (BadRetention, NoAdapter, NoCheckpoint, NotARun, analyse, energy_columns,
+                                         energy_kept, lora_singular_values, rank_for, squeeze_run)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "models" / "tiny-moe")
@@ -61,6 +61,8 @@ def test_energy_and_rank_by_hand():
     np.testing.assert_allclose(energy, [9 / 14.25, 13 / 14.25, 14 / 14.25, 1.0])
     assert [rank_for(energy, x) for x in (0.6, 0.9, 0.95, 0.99, 1.0)] == [1, 2, 3, 4, 4]
     assert energy_kept(np.zeros(4)) is None and rank_for(None, 0.95) is None
+    # The table's columns: every rank up to 8, then powers of two and r.
+    assert energy_columns(4) == [1, 2, 3, 4] and energy_columns(12) == [1, 2, 4, 8, 12]
 
 
 def test_aggregate_over_modules_by_hand():

@@ -304,3 +304,23 @@ def test_stats_cli_writes_json_and_markdown_and_compare_pairs_runs(tmp_path):
     assert bad.exit_code == 2 and "error: " in bad.stderr and "no condition 'nope'" in bad.stderr
     bad = runner.invoke(main, ["compare", runs[0], "--vs", str(path / "runs" / "grpo__s0")])
     assert bad.exit_code == 1 and "1 paired seed" in bad.stderr
+
+
+def test_the_worked_example_in_the_docs_matches_the_library():
+    """docs/statistics.md's worked example: its numbers recomputed from its own table."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "statistics.md").read_text()
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:]] for line in doc.splitlines()
+            if line.startswith(("grpo ", "maxrl "))}
+    d = np.array(rows["maxrl"]) - np.array(rows["grpo"])
+    assert len(d) == 8
+    flip = st.sign_flip_test(d)
+    assert f"p = {round(flip.p * 256)}/256 = {flip.p:.4f}" in doc
+    lo, hi = st.t_interval(d)
+    assert f"[{lo:.4f}, {hi:.4f}]" in doc
+    dz, dz_lo, dz_hi = st.cohens_dz(d)
+    assert f"d_z = {d.mean():.3f}/{d.std(ddof=1):.4f} = **{dz:.2f} [{dz_lo:.2f}, {dz_hi:.2f}]**" in doc
+    mde = st.minimum_detectable_dz(8)
+    assert f"d_z {mde:.3f}, i.e. **{mde * d.std(ddof=1):.4f}**" in doc
+    assert f"**{st.seeds_needed(0.01 / d.std(ddof=1))} seeds**" in doc
+    three = st.sign_flip_test(d[:3])
+    assert three.p == 0.25 and f"p = {st.t_test_p(d[:3]):.3f}" in doc

@@ -51,10 +51,10 @@ def _p(value: float | None) -> str:
 
 def _show(report, title: str) -> None:
     table = Table(title=title, title_justify="left")
-    for name, justify in (("candidate", "left"), ("metric", "left"), ("seeds", "right"), ("baseline", "right"),
+    for name, justify in (("condition", "left"), ("metric", "left"), ("seeds", "right"), ("baseline", "right"),
                           ("candidate", "right"), ("Δ [t interval]", "right"), ("p exact (Holm)", "right"),
                           ("d_z [interval]", "right"), ("MDE", "right"), ("verdict", "left")):
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, no_wrap=name in ("metric", "verdict"))
     for comparison in report.comparisons:
         for m in comparison.metrics:
             lo, hi = m.t_interval

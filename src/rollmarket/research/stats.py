@@ -818,13 +818,18 @@ def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metri
     dz, lo, hi = cohens_dz(d_N, 1 - alpha)
     result.cohens_dz, result.cohens_dz_interval = dz, (lo, hi)
     mde_dz = minimum_detectable_dz(n, alpha, settings.power)
+    floor = seeds_for_exact_test(alpha, tests)
+
+    def planned(effect_dz: float | None) -> int | None:  # the t-test's count, at least the exact test's floor
+        needed = seeds_needed(effect_dz, alpha, settings.power) if effect_dz else None
+        return None if needed is None else max(needed, floor)
+
     power = {"alpha": alpha, "power": settings.power, "mde_dz": mde_dz, "mde": mde_dz * sd if sd > 0 else None,
              "power_at_observed": paired_power(dz, n, alpha) if dz is not None else None,
-             "seeds_for_observed": seeds_needed(dz, alpha, settings.power) if dz else None,
-             "seeds_for_exact_test": seeds_for_exact_test(alpha, tests)}
+             "seeds_for_observed": planned(dz), "seeds_for_exact_test": floor}
     if settings.target_effect is not None:
         power["target_effect"] = settings.target_effect
-        power["seeds_for_target"] = seeds_needed(settings.target_effect / sd, alpha, settings.power) if sd > 0 else None
+        power["seeds_for_target"] = planned(settings.target_effect / sd) if sd > 0 else None
     result.power = power
     if settings.equivalence_margin is not None:
         eq = tost(d_N, settings.equivalence_margin, alpha)

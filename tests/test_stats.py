@@ -324,3 +324,23 @@ def test_the_worked_example_in_the_docs_matches_the_library():
     assert f"**{st.seeds_needed(0.01 / d.std(ddof=1))} seeds**" in doc
     three = st.sign_flip_test(d[:3])
     assert three.p == 0.25 and f"p = {st.t_test_p(d[:3]):.3f}" in doc
+
+
+def test_margins_per_metric_identical_runs_and_seed_labels_from_the_config(tmp_path):
+    base, _ = counts(np.random.default_rng(9), 7, 5, 0)     # 7 seeds: 2·2/2^7 < 0.05 for two metrics
+    path = campaign(tmp_path, range(7), base, base, stats={"equivalence_margin": {"eval/pass@1@final": 0.01}})
+    same, acc = report(path, metrics=["eval/pass@1@final", "eval/accuracy/mean@final"])
+    # identical runs: every flip reaches |Σ 0| = 0, so p = 1; TOST with sd 0 is its limit, p = 0
+    assert same.sign_flip["p"] == 1.0 and same.cohens_dz is None and same.verdict == "EQUIVALENT"
+    assert acc.equivalence is None and acc.verdict == "INCONCLUSIVE"   # no margin for this metric
+    with pytest.raises(st.BadSettings):
+        StatsSettings(target_effect="big")
+    # outside a campaign: no seed label in the rows, so the config's seeds pair the runs
+    run = write_run(tmp_path / "plain", "a", 5, [3, 4])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "seed"}) + "\n"
+                                               for r in rows))
+    (run / "config.json").write_text(json.dumps({"config": {"seed": 7, "rollout": {"seed": 7}}}))
+    assert st.load_run(run).seed == 7
+    (run / "config.json").write_text(json.dumps({"config": {"seed": 7, "rollout": {"seed": 2}}}))
+    assert st.load_run(run).seed == "seed=7,rollout.seed=2"

@@ -220,7 +220,10 @@ def load_run(path: Path | str, *, seed: int | str | None = None, condition: str 
             by_step[row["step"]] = row  # a re-written step (resume) replaces the earlier row
     rows = [by_step[s] for s in sorted(by_step)]
     config_file = path / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    try:
+        config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    except json.JSONDecodeError as exc:
+        raise NotARunDir(f"{config_file} is not JSON ({exc})") from None
     if seed is None:
         seed = next((r["seed"] for r in rows if r.get("seed") is not None), None)
     if seed is None:
@@ -647,7 +650,9 @@ class StatsSettings:
     """The [stats] table's settings (and the CLI's overrides)."""
 
     alpha: float = 0.05
-    equivalence_margin: float | None = None
+    equivalence_margin: float | dict[str, float] | None = None
+    """± this counts as no difference (TOST), in the metric's units: one number for every metric,
+    or a table from metric spec to margin (metrics left out get no TOST)."""
     target_effect: float | None = None
     """An effect (metric units) to plan seeds for; the report says how many seeds it needs."""
     power: float = POWER
@@ -660,16 +665,33 @@ class StatsSettings:
     """Drop seeds that only one side has instead of refusing."""
 
     def __post_init__(self):
+        for name in ("alpha", "power", "target_effect"):
+            value = getattr(self, name)
+            if (value is not None or name != "target_effect") and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise BadSettings(f"{name} must be a number, got {value!r}")
         if not 0 < self.alpha < 0.5:
             raise BadSettings(f"alpha must be in (0, 0.5), got {self.alpha}")
-        if self.equivalence_margin is not None and not self.equivalence_margin > 0:
-            raise BadSettings(f"equivalence_margin must be > 0, got {self.equivalence_margin}")
+        margins = self.equivalence_margin
+        if isinstance(margins, dict):
+            object.__setattr__(self, "equivalence_margin", {Metric.parse(k).spec: v for k, v in margins.items()})
+            margins = list(margins.values())
+        for margin in margins if isinstance(margins, list) else [margins]:
+            if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float))
+                                       or not margin > 0):
+                raise BadSettings(f"equivalence_margin must be a number > 0 (or a table of them), got {margin!r}")
         if self.target_effect is not None and self.target_effect == 0:
             raise BadSettings("target_effect must not be 0")
         if not 0 < self.power < 1:
             raise BadSettings(f"power must be in (0, 1), got {self.power}")
         if self.draws < 1000 or self.resamples < 100:
             raise BadSettings("draws must be ≥ 1000 and resamples ≥ 100")
+
+    def margin_for(self, metric: Metric) -> float | None:
+        """The equivalence margin of `metric`, if any."""
+        if isinstance(self.equivalence_margin, dict):
+            return self.equivalence_margin.get(metric.spec)
+        return self.equivalence_margin
 
     @classmethod
     def from_table(cls, table: dict, **overrides: Any) -> "StatsSettings":
@@ -831,8 +853,9 @@ def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metri
         power["target_effect"] = settings.target_effect
         power["seeds_for_target"] = planned(settings.target_effect / sd) if sd > 0 else None
     result.power = power
-    if settings.equivalence_margin is not None:
-        eq = tost(d_N, settings.equivalence_margin, alpha)
+    margin = settings.margin_for(metric)
+    if margin is not None:
+        eq = tost(d_N, margin, alpha)
         result.equivalence = {**asdict(eq), "interval": list(eq.interval)}
     if metric.pass_at_k is not None:
         found = [samples_per_task(r, v.step) for r, v in zip(base + cand, b_vals + c_vals)]
@@ -959,7 +982,12 @@ def campaign_report(campaign: Campaign, *, baseline: str | None = None, metrics:
         close = difflib.get_close_matches(str(baseline), campaign.conditions, n=1)
         raise UnknownCondition(f"{campaign.path}: no condition {baseline!r} (has {', '.join(campaign.conditions)})",
                                fix=f"did you mean {close[0]!r}?" if close else "pass --baseline with one of them")
-    specs = list(metrics or campaign.stats.get("metrics") or [DEFAULT_METRIC])
+    declared = campaign.stats.get("metrics")
+    if isinstance(declared, str):
+        declared = [declared]
+    if declared is not None and not (isinstance(declared, list) and all(isinstance(m, str) for m in declared)):
+        raise BadSettings(f"[stats] metrics must be a list of metric specs, got {declared!r}")
+    specs = list(metrics or declared or [DEFAULT_METRIC])
     parsed = [Metric.parse(s) for s in specs]
     if len(campaign.conditions) < 2:
         raise UnknownCondition(f"{campaign.path}: one condition only; nothing to compare it with")

@@ -344,3 +344,18 @@ def test_margins_per_metric_identical_runs_and_seed_labels_from_the_config(tmp_p
     assert st.load_run(run).seed == 7
     (run / "config.json").write_text(json.dumps({"config": {"seed": 7, "rollout": {"seed": 2}}}))
     assert st.load_run(run).seed == "seed=7,rollout.seed=2"
+
+
+def test_stats_never_loads_torch(tmp_path):
+    """Statistics are math over files: `rollmarket stats` must not pay for (or need) torch."""
+    import subprocess
+    import sys
+
+    base, cand = counts(np.random.default_rng(10), 3, 3, 1)
+    path = campaign(tmp_path, range(3), base, cand)
+    code = ("import sys; from click.testing import CliRunner; from rollmarket.cli.main import main; "
+            f"r = CliRunner().invoke(main, ['stats', {str(path)!r}, '--json']); "
+            "assert r.exit_code == 0, r.output; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

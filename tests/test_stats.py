@@ -359,3 +359,26 @@ def test_stats_never_loads_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_before_after_pairs_each_run_with_its_own_step_zero(tmp_path):
+    # One condition, 6 seeds: each run starts at start_T (step 0) and ends at end_T (step 20).
+    rng = np.random.default_rng(11)
+    start = rng.integers(2, 8, size=(6, 5))
+    end = np.clip(start + rng.integers(1, 4, size=(6, 5)), 0, 16)
+    runs = {("grpo", s): write_run(tmp_path, "grpo", s, end[s].tolist(), start_correct_T=start[s].tolist())
+            for s in range(6)}
+    path = write_campaign(tmp_path, runs, ["grpo"], {})
+    done = CliRunner().invoke(main, ["stats", str(path), "--before-after", "--json"])
+    assert done.exit_code == 0, done.output
+    saved = json.loads((path / "stats-before-after.json").read_text())
+    assert saved["kind"] == "before_after" and not (path / "stats.json").exists()
+    [m] = saved["comparisons"][0]["metrics"]
+    d = (end - start).mean(axis=1) / 16          # every seed gains: all six differences positive
+    assert m["differences"] == pytest.approx(d.tolist())
+    assert m["steps"] == {"baseline": [0] * 6, "candidate": [20] * 6}
+    assert m["sign_flip"]["p"] == pytest.approx(2 / 64) and m["verdict"] == "CONFIRMED"
+    assert m["two_way_bootstrap"]["tasks"] == 5 and m["two_way_bootstrap"]["mean"] == pytest.approx(d.mean())
+    # A plain comparison needs two conditions; before/after works on one.
+    bad = CliRunner().invoke(main, ["stats", str(path)])
+    assert bad.exit_code == 2 and "one condition" in bad.stderr

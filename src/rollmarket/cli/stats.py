@@ -106,10 +106,13 @@ def _emit(report, title: str, as_json: bool, markdown: Path | None, out: Path | 
 @click.argument("campaign_dir", type=click.Path(path_type=Path, exists=True, file_okay=False))
 @click.option("--baseline", default=None, help="The condition the others are compared with [default: [stats] "
                                                 "baseline, else the first condition].")
+@click.option("--before-after", is_flag=True,
+              help="Compare each condition with itself before training (its step-0 evaluation) instead of "
+                   "with the baseline: did training change the metric?")
 @_common_options
-def stats_command(campaign_dir: Path, baseline: str | None, metrics: tuple[str, ...], alpha: float | None,
-                  equivalence_margin: float | None, target_effect: float | None, paired_only: bool, seed: int,
-                  as_json: bool, markdown: Path | None) -> None:
+def stats_command(campaign_dir: Path, baseline: str | None, before_after: bool, metrics: tuple[str, ...],
+                  alpha: float | None, equivalence_margin: float | None, target_effect: float | None,
+                  paired_only: bool, seed: int, as_json: bool, markdown: Path | None) -> None:
     """Compare every condition of a campaign with its baseline, seed by seed, and give verdicts.
 
     CAMPAIGN_DIR is the directory `rollmarket campaign` wrote. Per metric: the exact sign-flip p
@@ -120,11 +123,12 @@ def stats_command(campaign_dir: Path, baseline: str | None, metrics: tuple[str, 
     from ..research.stats import campaign_report, load_campaign
 
     campaign = load_campaign(campaign_dir)
-    report = campaign_report(campaign, baseline=baseline, metrics=list(metrics) or None, alpha=alpha,
+    report = campaign_report(campaign, baseline=baseline, metrics=list(metrics) or None, before_after=before_after,
+                             alpha=alpha,
                              equivalence_margin=equivalence_margin, target_effect=target_effect,
                              paired_only=paired_only or None, seed=seed)
-    _emit(report, f"campaign {campaign.name}: vs {report.baseline}", as_json, markdown,
-          campaign_dir / "stats.json")
+    title = f"campaign {campaign.name}: " + ("after vs before training" if before_after else f"vs {report.baseline}")
+    _emit(report, title, as_json, markdown, campaign_dir / ("stats-before-after.json" if before_after else "stats.json"))
 
 
 def _side_name(runs, default: str) -> str:

@@ -236,6 +236,18 @@ def load_run(path: Path | str, *, seed: int | str | None = None, condition: str 
     return Run(path=path, seed=seed, condition=condition, rows=rows, config=config)
 
 
+def before_training(run: Run) -> Run:
+    """The run as it stood before its first optimizer step: only its step-0 row (the evaluation
+    `rollmarket train` makes before training) and step-0 evals, so that `KEY@final` of the view is
+    the starting value. Paired with the run itself, it measures what training changed, seed by seed."""
+    rows = [r for r in run.rows if r.get("step") == 0]
+    if not rows:
+        raise MissingMetric(f"{run.path}: no step-0 row (the evaluation before training)",
+                            fix="train with eval.tasks > 0: the run evaluates before its first step")
+    return Run(path=run.path, seed=run.seed, condition=run.condition, rows=rows, config=run.config,
+               _evals=[r for r in run.evals() if r.get("step") == 0])
+
+
 def resolve_run_dirs(pattern: str | Path) -> list[Path]:
     """Run directories named by `pattern`: a run directory, a glob of them, or a directory whose
     immediate subdirectories are runs (a campaign's runs/<condition>__s<seed>/)."""
@@ -777,8 +789,11 @@ def _pfmt(p: float | None) -> str:
 
 def compare(baseline: Sequence[Run], candidate: Sequence[Run], metrics: Sequence[Metric],
             settings: StatsSettings = StatsSettings(), *, baseline_name: str = "baseline",
-            candidate_name: str = "candidate") -> Comparison:
-    """Candidate vs baseline on each metric, paired by seed; Holm across the metrics; verdicts."""
+            candidate_name: str = "candidate", same_runs: bool = False) -> Comparison:
+    """Candidate vs baseline on each metric, paired by seed; Holm across the metrics; verdicts.
+
+    `same_runs`: the two sides are the same runs read at different points (`before_training`
+    against the run), so each side must end at one step but the sides may differ."""
     if not metrics:
         raise BadMetricSpec("no metric to compare", fix=f"declare [stats] metrics or pass --metric {DEFAULT_METRIC}")
     base, cand = _by_seed(baseline, baseline_name), _by_seed(candidate, candidate_name)
@@ -799,7 +814,7 @@ def compare(baseline: Sequence[Run], candidate: Sequence[Run], metrics: Sequence
                           fix=f"run more seeds (≥ {seeds_for_exact_test(settings.alpha, len(metrics))} for the "
                               f"exact test to be able to decide)")
     results = [_compare_metric([base[s] for s in seeds], [cand[s] for s in seeds], seeds, metric, settings,
-                               len(metrics)) for metric in metrics]
+                               len(metrics), same_runs) for metric in metrics]
     for result, p in zip(results, holm([r.sign_flip["p"] for r in results])):
         result.p_holm = p
     with_margin = [r for r in results if r.equivalence is not None]
@@ -811,7 +826,7 @@ def compare(baseline: Sequence[Run], candidate: Sequence[Run], metrics: Sequence
 
 
 def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metric, settings: StatsSettings,
-                    tests: int) -> MetricComparison:
+                    tests: int, same_runs: bool = False) -> MetricComparison:
     alpha = settings.alpha
     b_vals = [metric_value(r, metric) for r in base]
     c_vals = [metric_value(r, metric) for r in cand]
@@ -830,8 +845,10 @@ def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metri
         sign_flip=asdict(sign_flip_test(d_N, exact_max=settings.exact_max_seeds, draws=settings.draws,
                                         seed=settings.seed)),
     )
-    ends = {v.step if v.span is None else v.span for v in b_vals + c_vals}
-    if len(ends) > 1:
+    for side in ((b_vals, c_vals) if same_runs else (b_vals + c_vals,)):
+        ends = {v.step if v.span is None else v.span for v in side}
+        if len(ends) <= 1:
+            continue
         result.blockers.append(
             f"runs end at different steps ({', '.join(str(e) for e in sorted(ends, key=str))}): unfinished runs? "
             f"finish them or name a step ({metric.key}@STEP)")
@@ -972,23 +989,27 @@ class StatsReport:
 
 
 def campaign_report(campaign: Campaign, *, baseline: str | None = None, metrics: Sequence[str] | None = None,
-                    **overrides: Any) -> StatsReport:
+                    before_after: bool = False, **overrides: Any) -> StatsReport:
     """Every condition of the campaign against the baseline (the option, else [stats] baseline,
     else the first condition) on the declared metrics (the option, else [stats] metrics, else
-    eval/pass@1@final)."""
+    eval/pass@1@final). With `before_after`, each condition against itself before training
+    (`before_training`): did training change the metric, seed by seed?"""
     settings = StatsSettings.from_table(campaign.stats, **overrides)
+    if before_after:
+        parsed = [Metric.parse(s) for s in _declared_metrics(campaign, metrics)]
+        comparisons = [compare([before_training(r) for r in campaign.runs[name]], campaign.runs[name], parsed,
+                               settings, baseline_name=f"{name} before training", candidate_name=name,
+                               same_runs=True)
+                       for name in campaign.conditions]
+        return StatsReport(kind="before_after", source=str(campaign.path), baseline="before training",
+                           metrics=[m.spec for m in parsed], settings=asdict(settings), comparisons=comparisons,
+                           missing_runs=campaign.missing)
     baseline = baseline or campaign.stats.get("baseline") or campaign.conditions[0]
     if baseline not in campaign.runs:
         close = difflib.get_close_matches(str(baseline), campaign.conditions, n=1)
         raise UnknownCondition(f"{campaign.path}: no condition {baseline!r} (has {', '.join(campaign.conditions)})",
                                fix=f"did you mean {close[0]!r}?" if close else "pass --baseline with one of them")
-    declared = campaign.stats.get("metrics")
-    if isinstance(declared, str):
-        declared = [declared]
-    if declared is not None and not (isinstance(declared, list) and all(isinstance(m, str) for m in declared)):
-        raise BadSettings(f"[stats] metrics must be a list of metric specs, got {declared!r}")
-    specs = list(metrics or declared or [DEFAULT_METRIC])
-    parsed = [Metric.parse(s) for s in specs]
+    parsed = [Metric.parse(s) for s in _declared_metrics(campaign, metrics)]
     if len(campaign.conditions) < 2:
         raise UnknownCondition(f"{campaign.path}: one condition only; nothing to compare it with")
     comparisons = [compare(campaign.runs[baseline], campaign.runs[name], parsed, settings,
@@ -997,6 +1018,16 @@ def campaign_report(campaign: Campaign, *, baseline: str | None = None, metrics:
     return StatsReport(kind="campaign", source=str(campaign.path), baseline=baseline,
                        metrics=[m.spec for m in parsed], settings=asdict(settings), comparisons=comparisons,
                        missing_runs=campaign.missing)
+
+
+def _declared_metrics(campaign: Campaign, metrics: Sequence[str] | None) -> list[str]:
+    """The option's metric specs, else [stats] metrics, else the default."""
+    declared = campaign.stats.get("metrics")
+    if isinstance(declared, str):
+        declared = [declared]
+    if declared is not None and not (isinstance(declared, list) and all(isinstance(m, str) for m in declared)):
+        raise BadSettings(f"[stats] metrics must be a list of metric specs, got {declared!r}")
+    return list(metrics or declared or [DEFAULT_METRIC])
 
 
 def _clean(value: Any) -> Any:

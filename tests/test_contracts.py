@@ -132,6 +132,13 @@ def make_report() -> BudgetReport:
     )
 
 
+def make_position_profile() -> contracts.PositionProfile:
+    return contracts.PositionProfile(
+        rollout_engine="fp8", trainer_engine="fp32", n_trajectories=3, tokens_after_eos=5,
+        buckets=[contracts.PositionBucket(start=0, stop=16, n_tokens=48, n_trajectories=3, mean_abs_delta=0.05,
+                                          kl_k3=0.001)])
+
+
 def make_rollout_corr() -> contracts.RolloutCorrFigures:
     return contracts.RolloutCorrFigures(
         is_threshold=2.0, is_level="token", rollout_is_eff_sample_size=0.95, rollout_is_ratio_fraction_high=0.01,
@@ -289,10 +296,13 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
     contracts.MatrixCell: make_cell,
     contracts.LengthPoint: lambda: contracts.LengthPoint(
         rollout_engine="fp8", trainer_engine="fp32", max_tokens=256, mean_response_tokens=201.5,
-        token_ess=make_interval(), mean_abs_delta=make_interval()),
+        token_ess=make_interval(), mean_abs_delta=make_interval(), mean_valid_tokens=190.0, tokens_after_eos=23),
+    contracts.PositionBucket: lambda: make_position_profile().buckets[0],
+    contracts.PositionProfile: make_position_profile,
     contracts.ObservatoryMatrix: lambda: contracts.ObservatoryMatrix(
         model="tiny-moe", suite="arithmetic", rollout_engines=["fp8"], trainer_engines=["fp32"],
-        cells=[make_cell()], length_scaling=[], divergence=[make_divergence()],
+        cells=[make_cell()], length_scaling=[], position_scaling=[make_position_profile()],
+        divergence=[make_divergence()],
         created_at="2026-11-26T12:00:00Z"),
 }
 

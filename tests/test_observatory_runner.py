@@ -83,6 +83,22 @@ def test_length_probes_are_sampled_to_their_length(observed):
     assert set(points) == {(r, t, L) for r in ("fp32", "fp8") for t in ("fp32", "fsdp-bf16") for L in (32, 96)}
     for (_, _, length), point in points.items():
         assert point.mean_response_tokens == length and point.token_ess.n == 3
+    # Probes hold no tool output, so every token their reports leave out came after an EOS; the
+    # position profile covers exactly the tokens the reports do, position 0 in every probe.
+    profiles = {(p.rollout_engine, p.trainer_engine): p for p in matrix.position_scaling}
+    assert set(profiles) == {(r, t) for r in ("fp32", "fp8") for t in ("fp32", "fsdp-bf16")}
+    for (rollout, trainer), profile in profiles.items():
+        path = run / "reports" / f"{layout.pair(rollout, trainer)}.lengths.dense.jsonl"
+        reports = [DenseMismatchReport.model_validate_json(line) for line in path.read_text().splitlines()]
+        assert len(reports) == profile.n_trajectories == 6
+        after = {L: sum(r.response_length - r.n_tokens for r in reports if r.response_length == L) for L in (32, 96)}
+        for L in (32, 96):
+            point = points[(rollout, trainer, L)]
+            assert point.tokens_after_eos == after[L]
+            assert point.mean_valid_tokens == pytest.approx(L - after[L] / 3)
+        assert profile.tokens_after_eos == after[32] + after[96]
+        assert sum(b.n_tokens for b in profile.buckets) == sum(r.n_tokens for r in reports)
+        assert (profile.buckets[0].start, profile.buckets[0].stop, profile.buckets[0].n_trajectories) == (0, 16, 6)
 
 
 def test_divergence_ties_the_split_to_tokens_and_the_viewer_has_every_run(observed):

@@ -51,6 +51,8 @@ from .observatory import (
     LengthPoint,
     MatrixCell,
     ObservatoryMatrix,
+    PositionBucket,
+    PositionProfile,
     RouterMismatchReport,
     WorstToken,
 )

@@ -62,6 +62,7 @@ def test_reports_match_an_independent_teacher_forcing(observed):
               for line in layout.router_path(run, "fp8", "fp32").read_text().splitlines()]
     assert len(runs) == len(dense) == len(router) == 6
     trainer = TrainerEngine.from_path(MOE, "fp32")
+    deltas = []
     for agent_run, report, routes in zip(runs, dense, router):
         assert report.trajectory_id == f"{agent_run.task_id}#0" == routes.trajectory_id
         view = stitch(agent_run.steps)
@@ -74,6 +75,15 @@ def test_reports_match_an_independent_teacher_forcing(observed):
         assert report.mean_abs_delta == pytest.approx(np.abs(delta).mean(), abs=1e-6)
         top1 = view.routed_experts_TLK[valid][..., 0] != scored.routed_experts_TLK[valid][..., 0]
         assert routes.router_flip_rate == pytest.approx(top1.mean(), abs=1e-9)
+        deltas.append(delta)
+    # The tile's verl figures, the six runs as verl's batch: k1 and the ESS of weights in [1/2, 2].
+    matrix = ObservatoryMatrix.model_validate_json((run / "matrix.json").read_text())
+    [tile] = [c for c in matrix.cells if (c.rollout_engine, c.trainer_engine) == ("fp8", "fp32")]
+    every = np.concatenate(deltas)
+    clipped = np.clip(np.exp(np.clip(every, -20, 20)), 0.5, 2.0)
+    assert tile.rollout_corr.kl == pytest.approx(-every.mean(), abs=1e-6)
+    assert tile.rollout_corr.rollout_is_eff_sample_size == pytest.approx(clipped.mean() ** 2 / (clipped ** 2).mean(),
+                                                                         abs=1e-6)
 
 
 def test_length_probes_are_sampled_to_their_length(observed):

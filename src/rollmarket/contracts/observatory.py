@@ -10,6 +10,7 @@ from enum import Enum
 from pydantic import Field
 
 from .base import Record
+from .budget import RolloutCorrFigures
 from .limits import MAX_ITEMS, MAX_LAYERS, Count, Key, Name, Text, TokenCount
 
 
@@ -143,6 +144,8 @@ class MatrixCell(Record):
     worst_token: WorstToken | None = None
     worst_trajectory_id: Key | None = None
     low_n: bool = Field(description="True when n < 30: the tile says so.")
+    rollout_corr: RolloutCorrFigures | None = Field(
+        default=None, description="verl's rollout_corr figures with the cell's trajectories as the batch (C = 2, token).")
 
 
 class LengthPoint(Record):

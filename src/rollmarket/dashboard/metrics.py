@@ -152,6 +152,13 @@ METRICS: list[MetricDoc] = [
               meaning="How far the tile's mean could move with other trajectories; shown as [lo, hi] under it."),
     MetricDoc(name="tokens", title="Cell tokens", group="aggregate", formula="Σ n_tokens over the cell",
               meaning="The router tile's 'tok': the denominator of its flip rate."),
+    MetricDoc(name="rollout_corr", title="verl's rollout_corr figures", group="aggregate",
+              formula="verl's rollout_is_eff_sample_size (weights clipped to [1/C, C], C = 2), "
+                      "rollout_is_ratio_fraction_high/_low, kl, k3_kl, chi2_token, chi2_seq and the ppl figures, "
+                      "with the cell's trajectories as verl's batch",
+              meaning="The numbers verl would log for this pair of engines, under verl's names (in the tile's JSON); "
+                      "formulas in docs/metrics.md.",
+              verl="rollout_corr/*"),
     MetricDoc(name="position_scaling", title="Mismatch by response position", group="aggregate",
               formula="per bucket of response positions (0–15, 16–31, 32–63, … doubling), over the probes' valid "
                       "tokens: mean_t |Δ_t| and mean_t (r − log r − 1), with token and trajectory counts",

@@ -38,6 +38,7 @@ from ..contracts import (
     ObservatoryMatrix,
     PositionBucket,
     PositionProfile,
+    RolloutCorrFigures,
     RouterMismatchReport,
     TaskSpec,
     WorstToken,
@@ -244,8 +245,19 @@ def _reports(run: _Run, rollout: str, trainer: str, scored, tokenizer
     return dense, router
 
 
-def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: list[RouterMismatchReport]
-          ) -> MatrixCell:
+def _cell_rollout_corr(runs: list[_Run], trainer: str) -> RolloutCorrFigures:
+    """verl's figures with the cell's trajectories as verl's batch (its default C = 2, token level)."""
+    from .offpolicy import IS_THRESHOLD, offpolicy_figures
+
+    rollout_N = np.concatenate([r.rollout_logprobs_T[r.valid_T] for r in runs] or [np.zeros(0)])
+    trainer_N = np.concatenate([_floored(r.trainer_logprobs[trainer])[r.valid_T] for r in runs] or [np.zeros(0)])
+    lengths_S = np.array([int(r.valid_T.sum()) for r in runs], dtype=np.int64)
+    figures = offpolicy_figures(rollout_N, trainer_N, lengths_S, is_threshold=IS_THRESHOLD, is_level="token")
+    return RolloutCorrFigures(is_threshold=IS_THRESHOLD, is_level="token", **figures.metrics(prefix=""))
+
+
+def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: list[RouterMismatchReport],
+          rollout_corr: RolloutCorrFigures | None = None) -> MatrixCell:
     from .dense import sequence_ess
     from .stats import bootstrap_interval
 
@@ -261,7 +273,7 @@ def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: 
         max_abs_delta=max((d.max_abs_delta for d in dense if d.max_abs_delta is not None), default=None),
         kl_k3=interval(d.kl_k3 for d in dense), mean_prob_diff=interval(d.mean_prob_diff for d in dense),
         worst_token=worst.worst_token if worst else None, worst_trajectory_id=worst.trajectory_id if worst else None,
-        low_n=len(dense) < 30,
+        low_n=len(dense) < 30, rollout_corr=rollout_corr,
     )
     if router:
         cell["router_flip_rate"] = interval(r.router_flip_rate for r in router)
@@ -452,7 +464,7 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
                 _write_jsonl(layout.router_path(run_dir, rollout, trainer), router)
             if probe_dense:
                 _write_jsonl(run_dir / "reports" / f"{layout.pair(rollout, trainer)}.lengths.dense.jsonl", probe_dense)
-            cells.append(_cell(rollout, trainer, dense, router))
+            cells.append(_cell(rollout, trainer, dense, router, _cell_rollout_corr(agent_runs[rollout], trainer)))
             if probes[rollout]:
                 points += _length_points(rollout, trainer, probes[rollout], probe_dense)
                 positions.append(position_profile_of(rollout, trainer, probes[rollout],

@@ -766,10 +766,15 @@ def _():
         "What it shows: FSDP2-bf16 scores "
         + ("exactly as the single-process bf16 trainer does" if same else "differently from the single-process bf16 trainer")
         + ". Agent turns are\nshort and confident, so the matrix over agent runs stays green. Long free-running "
-        "responses are\nnot: mismatch grows with length (mean |Δ| for fp8 from "
-        f"{rows[('fp8', lengths[0])]['mean_abs_delta']['mean']:.3f} to {rows[('fp8', lengths[-1])]['mean_abs_delta']['mean']:.3f}), "
-        f"and fp8's token ESS\nfalls from {rows[('fp8', lengths[0])]['token_ess']['mean']:.2f} to "
-        f"{rows[('fp8', lengths[-1])]['token_ess']['mean']:.2f}. {len(split)} of {len(data['divergence'])} agent runs "
+        "probes show a\nlarger mean |Δ| (fp8 from "
+        f"{rows[('fp8', lengths[0])]['mean_abs_delta']['mean']:.3f} to {rows[('fp8', lengths[-1])]['mean_abs_delta']['mean']:.3f}) "
+        f"and a lower token ESS (fp8 from {rows[('fp8', lengths[0])]['token_ess']['mean']:.2f} to "
+        f"{rows[('fp8', lengths[-1])]['token_ess']['mean']:.2f}),\nbut that does not show drift accumulating along "
+        "the response: these probes were\ntaken before they were cut at EOS, so they count the tokens `ignore_eos` "
+        "forced past it,\nand token ESS per trajectory falls with length even when every token drifts alike\n"
+        "([observatory.md](observatory.md), \"Length scaling\"). The per-position figures (`position_scaling`) "
+        "are the\ntest; this run has not been repeated with them. "
+        f"{len(split)} of {len(data['divergence'])} agent runs "
         f"split from their fp32 twin{', all on answer ' + kinds[0] if len(kinds) == 1 else ''}."
     )
 

@@ -30,6 +30,8 @@ from rollmarket.contracts import (
     LengthPoint,
     MatrixCell,
     ObservatoryMatrix,
+    PositionBucket,
+    PositionProfile,
     RouterMismatchReport,
     WorstToken,
 )
@@ -285,6 +287,16 @@ def _length_points(rollout: str, trainer: str) -> list[LengthPoint]:
     return points
 
 
+def _position_profile(rollout: str, trainer: str) -> PositionProfile:
+    """Buckets [0, 16), [16, 32), [32, 64) of 10 probes; 7 tokens after an EOS excluded."""
+    scale = NOISE[rollout][0] + TRAINER_NOISE[trainer][0]
+    buckets = [PositionBucket(start=start, stop=stop, n_tokens=10 * (stop - start), n_trajectories=10,
+                              mean_abs_delta=round(scale * (1 + k / 10), 6), kl_k3=round(scale * scale / 2, 8))
+               for k, (start, stop) in enumerate([(0, 16), (16, 32), (32, 64)])]
+    return PositionProfile(rollout_engine=rollout, trainer_engine=trainer, n_trajectories=10, tokens_after_eos=7,
+                           buckets=buckets)
+
+
 def _divergence(task_id: str, views: dict[str, dict[str, TrajectoryView]]) -> AgentDivergenceReport:
     tid = layout.trajectory_id(task_id, 0)
     a, b = views["bf16"][tid], views["fp8"][tid]
@@ -328,7 +340,7 @@ def write_fixture_run(path: Path, *, created_at: str = "2025-03-01T12:00:00Z", m
     path.mkdir(parents=True, exist_ok=True)
     tids = [layout.trajectory_id(task, s) for task in TASKS for s in range(SAMPLES)]
     views: dict[str, dict[str, TrajectoryView]] = {}
-    cells, length_scaling = [], []
+    cells, length_scaling, positions = [], [], []
     for rollout in ROLLOUT_ENGINES:
         covered = {t: tids[:LOW_N] if (rollout, t) == LOW_N_CELL else tids for t in TRAINER_ENGINES}
         views[rollout] = {}
@@ -353,10 +365,12 @@ def write_fixture_run(path: Path, *, created_at: str = "2025-03-01T12:00:00Z", m
                 _write_jsonl(layout.router_path(path, rollout, trainer), router)
             cells.append(_cell(rollout, trainer, dense, router, moe))
             length_scaling += _length_points(rollout, trainer)
+            positions.append(_position_profile(rollout, trainer))
     divergence = [_divergence(task, views) for task in DIVERGENT_TASKS]
     _write_jsonl(path / layout.DIVERGENCE, divergence)
     matrix = ObservatoryMatrix(model=model, suite="agent", rollout_engines=ROLLOUT_ENGINES,
                                trainer_engines=TRAINER_ENGINES, cells=cells, length_scaling=length_scaling,
+                               position_scaling=positions,
                                divergence=divergence, created_at=created_at)
     (path / layout.MATRIX).write_text(matrix.model_dump_json(indent=2) + "\n")
     config = {"settings": {"model": model, "suite": "agent", "rollout_engines": ROLLOUT_ENGINES,

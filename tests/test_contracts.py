@@ -128,8 +128,21 @@ def make_report() -> BudgetReport:
         group_id="grp-1", n_tokens=10, n_sequences=2, clamp=20.0, token_ess=0.9, sequence_ess=0.8,
         mean_delta=0.1, mean_abs_delta=0.2, max_abs_delta=0.7, clipped_fraction=0.0,
         veto_fraction=0.0, second_moment=1.1, top1pct_mass=0.2, kl_k1=-0.1, kl_k3=0.01, chi2=0.1,
-        mean_prob_diff=0.003, router_flip_rate=0.05, policy_lag_steps=1,
+        mean_prob_diff=0.003, router_flip_rate=0.05, policy_lag_steps=1, rollout_corr=make_rollout_corr(),
     )
+
+
+def make_position_profile() -> contracts.PositionProfile:
+    return contracts.PositionProfile(
+        rollout_engine="fp8", trainer_engine="fp32", n_trajectories=3, tokens_after_eos=5,
+        buckets=[contracts.PositionBucket(start=0, stop=16, n_tokens=48, n_trajectories=3, mean_abs_delta=0.05,
+                                          kl_k3=0.001)])
+
+
+def make_rollout_corr() -> contracts.RolloutCorrFigures:
+    return contracts.RolloutCorrFigures(
+        is_threshold=2.0, is_level="token", rollout_is_eff_sample_size=0.95, rollout_is_ratio_fraction_high=0.01,
+        rollout_is_ratio_fraction_low=0.0, kl=-0.1, k3_kl=0.01, chi2_token=0.1, chi2_seq=None)
 
 
 def make_summary() -> WorkerSummary:
@@ -269,6 +282,7 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
         messages=[{"role": "user", "content": "What is 2 + 2?"}], prompt_token_ids=np.array([1, 2, 3], np.int32),
         choices=[contracts.CapturedChoice(index=0, content="4", finish_reason="stop")], status_code=200,
         timings=contracts.CaptureTimings(received_at=T0, total_s=0.2, proxy_s=0.001)),
+    contracts.RolloutCorrFigures: make_rollout_corr,
     contracts.WorstToken: make_worst_token,
     contracts.DenseMismatchReport: make_dense_report,
     contracts.RouterMismatchReport: lambda: contracts.RouterMismatchReport(
@@ -282,10 +296,13 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
     contracts.MatrixCell: make_cell,
     contracts.LengthPoint: lambda: contracts.LengthPoint(
         rollout_engine="fp8", trainer_engine="fp32", max_tokens=256, mean_response_tokens=201.5,
-        token_ess=make_interval(), mean_abs_delta=make_interval()),
+        token_ess=make_interval(), mean_abs_delta=make_interval(), mean_valid_tokens=190.0, tokens_after_eos=23),
+    contracts.PositionBucket: lambda: make_position_profile().buckets[0],
+    contracts.PositionProfile: make_position_profile,
     contracts.ObservatoryMatrix: lambda: contracts.ObservatoryMatrix(
         model="tiny-moe", suite="arithmetic", rollout_engines=["fp8"], trainer_engines=["fp32"],
-        cells=[make_cell()], length_scaling=[], divergence=[make_divergence()],
+        cells=[make_cell()], length_scaling=[], position_scaling=[make_position_profile()],
+        divergence=[make_divergence()],
         created_at="2026-11-26T12:00:00Z"),
 }
 

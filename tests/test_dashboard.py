@@ -125,6 +125,12 @@ def test_run_twin_matches_the_matrix(client, matrix):
     expected = [p.model_dump(mode="json") for p in matrix.length_scaling]
     assert sorted(map(json.dumps, points)) == sorted(map(json.dumps, expected))
     assert [p["max_tokens"] for p in data["length_scaling"][0]["points"]] == [128, 512, 2048]
+    assert data["position_scaling"] == [p.model_dump(mode="json") for p in matrix.position_scaling]
+    assert [(b["start"], b["stop"]) for b in data["position_scaling"][0]["buckets"]] == [(0, 16), (16, 32), (32, 64)]
+    html = client.get(f"/runs/{RUN_ID}").text
+    # One row per (cell, bucket): 6 cells × 3 buckets, and each cell's count of tokens after an EOS.
+    assert html.count('data-testid="position-row"') == 18
+    assert html.count("7 tokens after an EOS excluded (10 probes)") == 6
     assert [r["report"] for r in data["divergence"]] == [d.model_dump(mode="json") for d in matrix.divergence]
     for row in data["divergence"]:
         assert (row["view"]["rollout_engine"], row["view"]["compare"]) == ("bf16", "fp8")
@@ -246,7 +252,9 @@ def test_every_metric_is_explained(client):
         assert m["formula"] and m["meaning"], m["name"]
     by_name = {m["name"]: m for m in data["metrics"]}
     assert "0.99" in by_name["token_ess"]["bands"] and "15%" in by_name["router_flip_rate"]["bands"]
-    assert by_name["token_ess"]["verl"].startswith("mismatch/rollout_is_eff_sample_size")
+    # Our token ESS is only a neighbour of verl's (which clips the weights to [1/C, C]).
+    assert by_name["token_ess"]["verl"].startswith("≈ rollout_corr/rollout_is_eff_sample_size")
+    assert by_name["kl_k1"]["verl"] == "rollout_corr/kl"
     assert by_name["mean_abs_delta"]["slime"] == "train/train_rollout_logprob_abs_diff"
     html = client.get("/metrics").text
     assert all(f'data-metric="{name}"' in html for name in documented)

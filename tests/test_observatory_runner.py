@@ -62,6 +62,7 @@ def test_reports_match_an_independent_teacher_forcing(observed):
               for line in layout.router_path(run, "fp8", "fp32").read_text().splitlines()]
     assert len(runs) == len(dense) == len(router) == 6
     trainer = TrainerEngine.from_path(MOE, "fp32")
+    deltas = []
     for agent_run, report, routes in zip(runs, dense, router):
         assert report.trajectory_id == f"{agent_run.task_id}#0" == routes.trajectory_id
         view = stitch(agent_run.steps)
@@ -74,6 +75,15 @@ def test_reports_match_an_independent_teacher_forcing(observed):
         assert report.mean_abs_delta == pytest.approx(np.abs(delta).mean(), abs=1e-6)
         top1 = view.routed_experts_TLK[valid][..., 0] != scored.routed_experts_TLK[valid][..., 0]
         assert routes.router_flip_rate == pytest.approx(top1.mean(), abs=1e-9)
+        deltas.append(delta)
+    # The tile's verl figures, the six runs as verl's batch: k1 and the ESS of weights in [1/2, 2].
+    matrix = ObservatoryMatrix.model_validate_json((run / "matrix.json").read_text())
+    [tile] = [c for c in matrix.cells if (c.rollout_engine, c.trainer_engine) == ("fp8", "fp32")]
+    every = np.concatenate(deltas)
+    clipped = np.clip(np.exp(np.clip(every, -20, 20)), 0.5, 2.0)
+    assert tile.rollout_corr.kl == pytest.approx(-every.mean(), abs=1e-6)
+    assert tile.rollout_corr.rollout_is_eff_sample_size == pytest.approx(clipped.mean() ** 2 / (clipped ** 2).mean(),
+                                                                         abs=1e-6)
 
 
 def test_length_probes_are_sampled_to_their_length(observed):
@@ -83,6 +93,22 @@ def test_length_probes_are_sampled_to_their_length(observed):
     assert set(points) == {(r, t, L) for r in ("fp32", "fp8") for t in ("fp32", "fsdp-bf16") for L in (32, 96)}
     for (_, _, length), point in points.items():
         assert point.mean_response_tokens == length and point.token_ess.n == 3
+    # Probes hold no tool output, so every token their reports leave out came after an EOS; the
+    # position profile covers exactly the tokens the reports do, position 0 in every probe.
+    profiles = {(p.rollout_engine, p.trainer_engine): p for p in matrix.position_scaling}
+    assert set(profiles) == {(r, t) for r in ("fp32", "fp8") for t in ("fp32", "fsdp-bf16")}
+    for (rollout, trainer), profile in profiles.items():
+        path = run / "reports" / f"{layout.pair(rollout, trainer)}.lengths.dense.jsonl"
+        reports = [DenseMismatchReport.model_validate_json(line) for line in path.read_text().splitlines()]
+        assert len(reports) == profile.n_trajectories == 6
+        after = {L: sum(r.response_length - r.n_tokens for r in reports if r.response_length == L) for L in (32, 96)}
+        for L in (32, 96):
+            point = points[(rollout, trainer, L)]
+            assert point.tokens_after_eos == after[L]
+            assert point.mean_valid_tokens == pytest.approx(L - after[L] / 3)
+        assert profile.tokens_after_eos == after[32] + after[96]
+        assert sum(b.n_tokens for b in profile.buckets) == sum(r.n_tokens for r in reports)
+        assert (profile.buckets[0].start, profile.buckets[0].stop, profile.buckets[0].n_trajectories) == (0, 16, 6)
 
 
 def test_divergence_ties_the_split_to_tokens_and_the_viewer_has_every_run(observed):

@@ -122,7 +122,10 @@ def test_masked_is_token_bounds_drop_single_tokens():
     close(c.weights_BT, [[0.0, 1.0, 1.0]])
     close(c.metrics["rollout_corr/rollout_rs_masked_fraction"], 1 / 3)
     close(c.metrics["rollout_corr/rollout_rs_token_masked_fraction"], 1 / 3)
-    close(c.metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 0.0)
+    # verl's seq masked fraction counts a sequence that lost any token (1 of 1); ours "dropped
+    # whole" counts only the sequence and geometric-mean bounds (0 of 1).
+    close(c.metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 1.0)
+    close(c.metrics["rollout_corr/rollout_rs_seq_dropped_fraction"], 0.0)
 
 
 def test_masked_is_sequence_and_geometric_mean_bounds_drop_whole_sequences():
@@ -134,6 +137,7 @@ def test_masked_is_sequence_and_geometric_mean_bounds_drop_whole_sequences():
     c = masked_is(delta, mask, sequence_bounds=(0.5, 3.0))
     assert c.mask_BT.tolist() == [[False, False], [True, True]]
     close(c.metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 0.5)
+    close(c.metrics["rollout_corr/rollout_rs_seq_dropped_fraction"], 0.5)
     close(c.metrics["rollout_corr/rollout_rs_masked_fraction"], 0.5)
     # sequence bounds [0.5, 1.4]: 1.44 > 1.4 drops seq 1 too.
     assert not masked_is(delta, mask, sequence_bounds=(0.5, 1.4)).mask_BT.any()

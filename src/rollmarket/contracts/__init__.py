@@ -10,7 +10,7 @@ from .agent import (
     VerifyResult,
 )
 from .base import CONTRACT_VERSION, Record, canonical_json, new_id, utc_now
-from .budget import BudgetReport
+from .budget import BudgetReport, RolloutCorrFigures
 from .capture import (
     Capture,
     CapturedChoice,
@@ -51,6 +51,8 @@ from .observatory import (
     LengthPoint,
     MatrixCell,
     ObservatoryMatrix,
+    PositionBucket,
+    PositionProfile,
     RouterMismatchReport,
     WorstToken,
 )

@@ -10,6 +10,7 @@ from enum import Enum
 from pydantic import Field
 
 from .base import Record
+from .budget import RolloutCorrFigures
 from .limits import MAX_ITEMS, MAX_LAYERS, Count, Key, Name, Text, TokenCount
 
 
@@ -143,17 +144,47 @@ class MatrixCell(Record):
     worst_token: WorstToken | None = None
     worst_trajectory_id: Key | None = None
     low_n: bool = Field(description="True when n < 30: the tile says so.")
+    rollout_corr: RolloutCorrFigures | None = Field(
+        default=None, description="verl's rollout_corr figures with the cell's trajectories as the batch (C = 2, token).")
 
 
 class LengthPoint(Record):
-    """ESS and |Δ| of one cell over trajectories whose response length falls in one bucket."""
+    """ESS and |Δ| of one cell over trajectories whose response length falls in one bucket.
+
+    Token ESS per trajectory falls with length even when every token drifts alike (a small-sample
+    effect); `PositionProfile` is the per-token view that separates the two."""
 
     rollout_engine: Name
     trainer_engine: Name
     max_tokens: TokenCount = Field(description="The length target (a --lengths value) the trajectories were sampled with.")
-    mean_response_tokens: float
+    mean_response_tokens: float = Field(description="Sampled tokens per probe, those after an EOS included.")
     token_ess: Interval
     mean_abs_delta: Interval
+    mean_valid_tokens: float | None = Field(
+        default=None, description="Tokens per probe the statistics cover: up to and including the first EOS.")
+    tokens_after_eos: Count = Field(
+        default=0, description="Tokens sampled past an EOS (ignore_eos) over the probes, excluded from every figure.")
+
+
+class PositionBucket(Record):
+    """Per-token mismatch at response positions [start, stop), pooled over trajectories."""
+
+    start: Count
+    stop: Count
+    n_tokens: Count = Field(description="Valid tokens at these positions over all trajectories.")
+    n_trajectories: Count = Field(description="Trajectories with a valid token here.")
+    mean_abs_delta: float = Field(description="mean |Δ| over those tokens.")
+    kl_k3: float = Field(description="mean(r − log r − 1), r = exp(clip(Δ, ±20)), over those tokens.")
+
+
+class PositionProfile(Record):
+    """|Δ| and k3 by response position for one cell's length probes (buckets [0, 16), then doubling)."""
+
+    rollout_engine: Name
+    trainer_engine: Name
+    n_trajectories: Count
+    tokens_after_eos: Count = Field(description="Tokens past an EOS, excluded from the buckets.")
+    buckets: list[PositionBucket] = Field(max_length=64)
 
 
 class ObservatoryMatrix(Record):
@@ -165,5 +196,6 @@ class ObservatoryMatrix(Record):
     trainer_engines: list[Name] = Field(max_length=MAX_ITEMS)
     cells: list[MatrixCell] = Field(max_length=MAX_ITEMS)
     length_scaling: list[LengthPoint] = Field(default_factory=list, max_length=MAX_ITEMS)
+    position_scaling: list[PositionProfile] = Field(default_factory=list, max_length=MAX_ITEMS)
     divergence: list[AgentDivergenceReport] = Field(default_factory=list, max_length=MAX_ITEMS)
     created_at: Name

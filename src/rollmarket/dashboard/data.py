@@ -20,6 +20,7 @@ from ..contracts import (
     AgentDivergenceReport,
     DenseMismatchReport,
     LengthPoint,
+    PositionProfile,
     MatrixCell,
     ObservatoryMatrix,
     Record,
@@ -183,6 +184,8 @@ class RunPage(Record):
     worst_token: WorstTokenCard | None = Field(description="The largest-|Δ| token over all cells.")
     cell_worst_tokens: list[WorstTokenCard]
     length_scaling: list[LengthSeries]
+    position_scaling: list[PositionProfile] = Field(
+        default_factory=list, description="Per-token |Δ| and k3 by response position, per cell (probes).")
     divergence: list[DivergenceRow]
 
 
@@ -395,7 +398,8 @@ class Runs:
                                             view=ref(d.engine_a, default_trainer, tid, compare=d.engine_b)))
         return RunPage(run=summary, config=self.config(run_id), rollout_engines=m.rollout_engines,
                        trainer_engines=m.trainer_engines, tiles=rows, worst_token=worst,
-                       cell_worst_tokens=cards, length_scaling=lengths, divergence=divergence)
+                       cell_worst_tokens=cards, length_scaling=lengths, position_scaling=m.position_scaling,
+                       divergence=divergence)
 
     def trajectory_page(self, run_id: str, rollout: str, trajectory_id: str, *, trainer: str | None = None,
                         compare: str | None = None) -> TrajectoryPage:

@@ -3,8 +3,9 @@
 Names are the fields of the observatory's records (DenseMismatchReport, RouterMismatchReport,
 MatrixCell, AgentDivergenceReport); a test fails when a record gains a metric this list lacks.
 Δ_t = logπ_trainer(y_t) − logπ_rollout(y_t) over action tokens (tool output excluded), c = 20,
-w_t = exp(clip(Δ_t, −c, c)). verl's names carry its `mismatch/` or `training/` prefix; slime's its
-`train/` prefix. "≈" marks a neighbour rather than the same quantity.
+w_t = exp(clip(Δ_t, −c, c)). verl's names carry its `rollout_corr/` or `training/` prefix (verl's
+rollout_corr_helper.py; its older releases said `mismatch/`); slime's its `train/` prefix. "≈" marks a
+neighbour rather than the same quantity; verl's own figures are in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -38,15 +39,17 @@ METRICS: list[MetricDoc] = [
                       "engines agree on every token; a tile shows the mean over the cell's trajectories.",
               bands="green > 0.99 · amber 0.95–0.99 (needs stronger off-policy correction) · red < 0.95 (would be "
                     "dropped)",
-              verl="mismatch/rollout_is_eff_sample_size (rollout_is_level=token)"),
+              verl="≈ rollout_corr/rollout_is_eff_sample_size (rollout_is=token; verl clips the weights to "
+                   "[1/C, C] first, C = 2 by default)"),
     MetricDoc(name="sequence_ess", title="Sequence ESS", group="dense",
               formula="(Σ_i W_i)² / (m · Σ_i W_i²), W_i = exp(clip(Σ_t Δ_i,t, −c, c)) over m trajectories",
               meaning="ESS of whole-trajectory weights over a cell's trajectories; one bad token can sink a "
                       "sequence, so this falls faster than token ESS as responses grow.",
-              verl="mismatch/rollout_is_eff_sample_size (rollout_is_level=sequence)"),
+              verl="≈ rollout_corr/rollout_is_eff_sample_size (rollout_is=sequence; verl clips to [1/C, C] and "
+                   "weights each sequence by its tokens)"),
     MetricDoc(name="sequence_log_ratio", title="Sequence log ratio", group="dense", formula="Σ_t Δ_t",
               meaning="The log importance weight of the whole trajectory (before clipping).",
-              verl="≈ mismatch/rollout_is_seq_* (sequence-level weight statistics)"),
+              verl="≈ rollout_corr/rollout_is_seq_* (sequence-level weight statistics)"),
     MetricDoc(name="mean_delta", title="Mean Δlogp", group="dense", formula="mean_t Δ_t",
               meaning="Signed bias: positive when the trainer finds the sampled tokens likelier than the rollout did."),
     MetricDoc(name="mean_abs_delta", title="Mean |Δlogp|", group="dense", formula="mean_t |Δ_t|",
@@ -58,35 +61,37 @@ METRICS: list[MetricDoc] = [
     MetricDoc(name="clipped_fraction", title="Clipped fraction", group="dense", formula="mean_t [|Δ_t| > 20]",
               meaning="Share of tokens whose weight the clamp changed; above 0.10 the gate asks for corrected "
                       "training.",
-              verl="≈ mismatch/rollout_is_ratio_fraction_high + _low (at verl's thresholds)",
+              verl="≈ rollout_corr/rollout_is_ratio_fraction_high + _low (at C and 1/C, not at e^±20)",
               slime="≈ train/tis_clipfrac (at the TIS clip)"),
     MetricDoc(name="veto_fraction", title="Veto fraction", group="dense", formula="mean_t [|Δ_t| > 30]",
               meaning="Share of catastrophic tokens; any one sends the trajectory to quarantine.",
-              verl="≈ mismatch/rollout_is_catastrophic_token_fraction (ratio below its veto threshold)"),
+              verl=None),
     MetricDoc(name="second_moment", title="Second moment of w", group="dense", formula="mean_t w_t²",
               meaning="Variance driver of the importance-weighted gradient; 1.0 when the engines agree.",
-              verl="≈ mismatch/rollout_is_std (std² = second moment − mean²)"),
+              verl="≈ rollout_corr/rollout_is_std (std² = second moment − mean², of weights clipped to [1/C, C])"),
     MetricDoc(name="top1pct_gradient_mass", title="Top-1% gradient mass", group="dense",
               formula="Σ of the largest ⌈n/100⌉ weights / Σ w",
               meaning="How much of the gradient a handful of tokens carry; about 0.01 when weights are even."),
     MetricDoc(name="kl_k1", title="KL (k1)", group="dense", formula="mean_t (logπ_rollout − logπ_trainer)",
               meaning="The plain KL(π_rollout ‖ π_trainer) estimator on sampled tokens; can be negative.",
-              verl="mismatch/mismatch_kl"),
-    MetricDoc(name="kl_k3", title="KL (k3)", group="dense", formula="mean_t (r − log r − 1), r = exp(Δ_t)",
+              verl="rollout_corr/kl"),
+    MetricDoc(name="kl_k3", title="KL (k3)", group="dense", formula="mean_t (r − log r − 1), r = w_t",
               meaning="Low-variance, never-negative KL estimator; tiles carry its interval in the JSON.",
-              verl="mismatch/mismatch_k3_kl"),
-    MetricDoc(name="chi2", title="χ²", group="dense", formula="mean_t r² − 1",
-              meaning="χ² divergence estimate: the variance cost of importance correction."),
+              verl="rollout_corr/k3_kl (verl does not clamp r: equal while no |Δ_t| > 20)"),
+    MetricDoc(name="chi2", title="χ²", group="dense", formula="mean_t r² − 1, r = w_t",
+              meaning="χ² divergence estimate: the variance cost of importance correction.",
+              verl="rollout_corr/chi2_token (verl's bound on Δ is ±20 too)"),
     MetricDoc(name="log_ppl_rollout", title="Log-perplexity, rollout", group="dense",
               formula="−mean_t logπ_rollout(y_t)", meaning="How surprised the rollout engine was by its own sample.",
-              verl="mismatch/mismatch_rollout_log_ppl"),
+              verl="rollout_corr/rollout_log_ppl (of one trajectory; verl averages per-sequence values)"),
     MetricDoc(name="log_ppl_trainer", title="Log-perplexity, trainer", group="dense",
               formula="−mean_t logπ_trainer(y_t)", meaning="How surprised the trainer is by the rollout's sample.",
-              verl="mismatch/mismatch_training_log_ppl"),
+              verl="rollout_corr/training_log_ppl (of one trajectory; verl averages per-sequence values)"),
     MetricDoc(name="log_ppl_diff", title="Log-perplexity difference", group="dense",
               formula="log_ppl_trainer − log_ppl_rollout",
               meaning="Positive when the trainer is less confident than the rollout engine was.",
-              verl="mismatch/mismatch_log_ppl_diff (opposite sign: rollout − training)"),
+              verl="rollout_corr/log_ppl_diff (the same sign, mean logπ_rollout − mean logπ_trainer; of one "
+                   "trajectory)"),
     MetricDoc(name="mean_prob_diff", title="Mean |Δp|", group="dense",
               formula="mean_t |p_rollout(y_t) − p_trainer(y_t)|",
               meaning="The gap in probability space; verl calls < 0.005 healthy and > 0.01 a precision bug.",
@@ -147,6 +152,19 @@ METRICS: list[MetricDoc] = [
               meaning="How far the tile's mean could move with other trajectories; shown as [lo, hi] under it."),
     MetricDoc(name="tokens", title="Cell tokens", group="aggregate", formula="Σ n_tokens over the cell",
               meaning="The router tile's 'tok': the denominator of its flip rate."),
+    MetricDoc(name="rollout_corr", title="verl's rollout_corr figures", group="aggregate",
+              formula="verl's rollout_is_eff_sample_size (weights clipped to [1/C, C], C = 2), "
+                      "rollout_is_ratio_fraction_high/_low, kl, k3_kl, chi2_token, chi2_seq and the ppl figures, "
+                      "with the cell's trajectories as verl's batch",
+              meaning="The numbers verl would log for this pair of engines, under verl's names (in the tile's JSON); "
+                      "formulas in docs/metrics.md.",
+              verl="rollout_corr/*"),
+    MetricDoc(name="position_scaling", title="Mismatch by response position", group="aggregate",
+              formula="per bucket of response positions (0–15, 16–31, 32–63, … doubling), over the probes' valid "
+                      "tokens: mean_t |Δ_t| and mean_t (r − log r − 1), with token and trajectory counts",
+              meaning="Whether drift grows along the response. Token ESS per trajectory falls with length even "
+                      "when every token drifts alike (one token gives 1), so read growth here, not from ESS vs "
+                      "length. Tokens a probe sampled after its EOS (ignore_eos) are excluded and counted."),
 ]
 
 

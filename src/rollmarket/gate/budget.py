@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..contracts import BudgetReport, SampleGroup, Trajectory
+from ..contracts import BudgetReport, RolloutCorrFigures, SampleGroup, Trajectory
 from ..observatory.dense import dense_summary
+from ..observatory.offpolicy import IS_THRESHOLD, offpolicy_figures
 from ..observatory.router import top1_differs
 from .config import GateConfig
 
@@ -38,7 +39,9 @@ def budget_from_arrays(
     """The statistics over N valid tokens drawn from `n_sequences` sequences.
 
     `sequence_ids_N` says which sequence each token belongs to (0 .. n_sequences-1). The
-    statistics are the observatory's (`rollmarket.observatory.dense_summary`).
+    statistics are the observatory's (`rollmarket.observatory.dense_summary`); `rollout_corr` holds
+    verl's figures (`rollmarket.observatory.offpolicy`) with verl's default C = 2 at the level of
+    `config.ess_kind`.
     """
     rollout_N = np.asarray(rollout_logprobs_N)
     # A trainer logprob of -inf (or NaN) marks a token the trainer deems impossible: give it a
@@ -54,10 +57,13 @@ def budget_from_arrays(
     if (np.diff(sequence_ids_N) < 0).any():  # dense_summary takes consecutive sequences
         order_N = np.argsort(sequence_ids_N, kind="stable")
         rollout_N, trainer_N, sequence_ids_N = rollout_N[order_N], trainer_N[order_N], sequence_ids_N[order_N]
-    s = dense_summary(rollout_N, trainer_N, clamp=config.clamp, veto=config.veto_abs_delta,
-                      lengths=np.bincount(sequence_ids_N, minlength=n_sequences))
+    lengths_S = np.bincount(sequence_ids_N, minlength=n_sequences)
+    s = dense_summary(rollout_N, trainer_N, clamp=config.clamp, veto=config.veto_abs_delta, lengths=lengths_S)
+    figures = offpolicy_figures(rollout_N, trainer_N, lengths_S, is_threshold=IS_THRESHOLD, is_level=config.ess_kind)
+    rollout_corr = RolloutCorrFigures(is_threshold=figures.is_threshold, is_level=config.ess_kind,
+                                      **figures.metrics(prefix=""))
     common = dict(group_id=group_id, n_tokens=s.n_tokens, n_sequences=n_sequences, clamp=config.clamp,
-                  router_flip_rate=router_flip_rate, policy_lag_steps=policy_lag_steps)
+                  router_flip_rate=router_flip_rate, policy_lag_steps=policy_lag_steps, rollout_corr=rollout_corr)
     if s.n_tokens == 0:  # nothing is off-policy
         return BudgetReport(
             **common, token_ess=1.0, sequence_ess=1.0, mean_delta=0.0, mean_abs_delta=0.0,

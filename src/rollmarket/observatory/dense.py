@@ -2,7 +2,8 @@
 
 Δ_t = logπ_trainer(y_t) − logπ_rollout(y_t) over valid tokens, c the clamp (20), w_t = exp(clip(Δ_t, ±c)):
 
-    token ESS        (Σw)² / (n·Σw²)                     verl `rollout_is_eff_sample_size`
+    token ESS        (Σw)² / (n·Σw²)                     ours; verl's `rollout_is_eff_sample_size` clips
+                                                         w to [1/C, C] first (offpolicy.py)
     sequence ESS     (ΣW_i)² / (m·ΣW_i²), W_i = exp(clip(Σ_t Δ_{i,t}, ±c))
     mean Δ, mean |Δ|, max |Δ| (unclipped)
     clipped / veto   share of tokens with |Δ| > c / |Δ| > veto (30)

@@ -3,9 +3,11 @@
     for each rollout engine (a precision profile of the model, or agent runs read from a file):
         run the agent on n suite tasks, one run each, the same seed per task on every engine
         sample length probes: each of the first tasks' prompts to exactly L tokens, per --lengths
+        (ignore_eos; the tokens after the first EOS are masked out of every figure)
     for each trainer engine (fp32, bf16, fsdp-bf16, ...):
         teacher-force every run's stitched tokens and every probe  ─►  dense + router reports
-    per (rollout, trainer): the tile (n, means, bootstrap 95% intervals, worst token, worst layer)
+    per (rollout, trainer): the tile (n, means, bootstrap 95% intervals, worst token, worst layer),
+        the probes' ESS and |Δ| per L, and their per-token |Δ| and k3 by response position
     per pair of rollout engines: where the same task with the same seed split, and why (tokens)
 
 Everything lands in a run directory laid out as `observatory/layout.py` says; the dashboard reads
@@ -34,6 +36,9 @@ from ..contracts import (
     LengthPoint,
     MatrixCell,
     ObservatoryMatrix,
+    PositionBucket,
+    PositionProfile,
+    RolloutCorrFigures,
     RouterMismatchReport,
     TaskSpec,
     WorstToken,
@@ -143,9 +148,20 @@ def sample_agent_runs(settings: ObserveSettings, precision: str, tasks: list[Tas
         host.close()
 
 
+def probe_run(task_id: str, length: int, gen, eos_token_ids) -> _Run:
+    """The _Run of one length probe: sampled past EOS (ignore_eos) to reach its length, so every
+    token after the first EOS, which the model would not have written, is masked out."""
+    from .positions import after_eos_mask
+
+    valid_T = ~after_eos_mask(gen.token_ids_T, eos_token_ids)
+    return _Run(layout.trajectory_id(task_id, 0, length), gen.prompt_token_ids_P, gen.token_ids_T,
+                gen.logprobs_T, valid_T, gen.routed_experts_TLK, [0], None, length)
+
+
 def sample_probes(settings: ObserveSettings, precision: str, tasks: list[TaskSpec],
                   progress: Progress | None = None) -> list[_Run]:
-    """Each task's prompt sampled to exactly L tokens (ignore_eos) for each L in --lengths."""
+    """Each task's prompt sampled to exactly L tokens (ignore_eos) for each L in --lengths; the
+    tokens after the first EOS are not valid (`probe_run`)."""
     from ..agents import task_messages
     from ..agents.tools import tool_schemas
     from ..engines import RolloutEngine, SamplingParams
@@ -162,9 +178,7 @@ def sample_probes(settings: ObserveSettings, precision: str, tasks: list[TaskSpe
                                  seed=_task_seed(settings.seed, t.task_id)) for t, _ in keep]
         gens = engine.generate([prompt for _, prompt in keep], params) if keep else []
         for (task, _), gen in zip(keep, gens):
-            probes.append(_Run(layout.trajectory_id(task.task_id, 0, length), gen.prompt_token_ids_P,
-                               gen.token_ids_T, gen.logprobs_T, np.ones(gen.token_ids_T.size, bool),
-                               gen.routed_experts_TLK, [0], None, length))
+            probes.append(probe_run(task.task_id, length, gen, engine.info.eos_token_ids))
         if progress:
             progress(f"length probes at {precision}", i + 1, len(settings.lengths))
     del engine
@@ -206,6 +220,12 @@ def _worst_token(run: _Run, tokenizer, trainer_T: np.ndarray) -> WorstToken | No
         context_after=tokenizer.decode([int(i) for i in ids[t + 1: t + 9]]), turn=turn)
 
 
+def _floored(trainer_logprobs_T: np.ndarray) -> np.ndarray:
+    # A probability that underflowed to 0 (-inf) is "impossible": a finite floor keeps the stats finite,
+    # as the gate does.
+    return np.maximum(np.nan_to_num(trainer_logprobs_T, nan=-1e4, neginf=-1e4), -1e4)
+
+
 def _reports(run: _Run, rollout: str, trainer: str, scored, tokenizer
              ) -> tuple[DenseMismatchReport, RouterMismatchReport | None]:
     from .dense import dense_summary
@@ -213,9 +233,7 @@ def _reports(run: _Run, rollout: str, trainer: str, scored, tokenizer
     from .router import router_summary
     from .router import to_report as router_report
 
-    # A probability that underflowed to 0 (-inf) is "impossible": a finite floor keeps the stats finite,
-    # as the gate does.
-    trainer_T = np.maximum(np.nan_to_num(scored.logprobs_T, nan=-1e4, neginf=-1e4), -1e4)
+    trainer_T = _floored(scored.logprobs_T)
     summary = dense_summary(run.rollout_logprobs_T, trainer_T, mask=run.valid_T)
     dense = dense_report(summary, trajectory_id=run.trajectory_id, rollout_engine=rollout, trainer_engine=trainer,
                          response_length=int(run.response_T.size),
@@ -227,8 +245,19 @@ def _reports(run: _Run, rollout: str, trainer: str, scored, tokenizer
     return dense, router
 
 
-def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: list[RouterMismatchReport]
-          ) -> MatrixCell:
+def _cell_rollout_corr(runs: list[_Run], trainer: str) -> RolloutCorrFigures:
+    """verl's figures with the cell's trajectories as verl's batch (its default C = 2, token level)."""
+    from .offpolicy import IS_THRESHOLD, offpolicy_figures
+
+    rollout_N = np.concatenate([r.rollout_logprobs_T[r.valid_T] for r in runs] or [np.zeros(0)])
+    trainer_N = np.concatenate([_floored(r.trainer_logprobs[trainer])[r.valid_T] for r in runs] or [np.zeros(0)])
+    lengths_S = np.array([int(r.valid_T.sum()) for r in runs], dtype=np.int64)
+    figures = offpolicy_figures(rollout_N, trainer_N, lengths_S, is_threshold=IS_THRESHOLD, is_level="token")
+    return RolloutCorrFigures(is_threshold=IS_THRESHOLD, is_level="token", **figures.metrics(prefix=""))
+
+
+def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: list[RouterMismatchReport],
+          rollout_corr: RolloutCorrFigures | None = None) -> MatrixCell:
     from .dense import sequence_ess
     from .stats import bootstrap_interval
 
@@ -244,7 +273,7 @@ def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: 
         max_abs_delta=max((d.max_abs_delta for d in dense if d.max_abs_delta is not None), default=None),
         kl_k3=interval(d.kl_k3 for d in dense), mean_prob_diff=interval(d.mean_prob_diff for d in dense),
         worst_token=worst.worst_token if worst else None, worst_trajectory_id=worst.trajectory_id if worst else None,
-        low_n=len(dense) < 30,
+        low_n=len(dense) < 30, rollout_corr=rollout_corr,
     )
     if router:
         cell["router_flip_rate"] = interval(r.router_flip_rate for r in router)
@@ -269,8 +298,24 @@ def _length_points(rollout: str, trainer: str, probes: list[_Run], dense: list[D
             mean_response_tokens=float(np.mean([p.response_T.size for p, _ in mine])),
             token_ess=bootstrap_interval([d.token_ess for _, d in mine if d.token_ess is not None]),
             mean_abs_delta=bootstrap_interval([d.mean_abs_delta for _, d in mine if d.mean_abs_delta is not None]),
+            mean_valid_tokens=float(np.mean([d.n_tokens for _, d in mine])),
+            tokens_after_eos=sum(int((~p.valid_T).sum()) for p, _ in mine),
         ))
     return points
+
+
+def position_profile_of(rollout: str, trainer: str, probes: list[_Run], trainer_logprobs: list[np.ndarray]
+                        ) -> PositionProfile:
+    """The probes' per-token |Δ| and k3 by response position (`observatory/positions.py`)."""
+    from .positions import position_profile
+
+    stats = position_profile([(p.rollout_logprobs_T, _floored(t), p.valid_T)
+                              for p, t in zip(probes, trainer_logprobs, strict=True)])
+    return PositionProfile(
+        rollout_engine=rollout, trainer_engine=trainer, n_trajectories=len(probes),
+        tokens_after_eos=sum(int((~p.valid_T).sum()) for p in probes),
+        buckets=[PositionBucket(start=b.start, stop=b.stop, n_tokens=b.n_tokens, n_trajectories=b.n_trajectories,
+                                mean_abs_delta=b.mean_abs_delta, kl_k3=b.kl_k3) for b in stats])
 
 
 def _view(run: _Run, rollout: str, tokenizer, task: TaskSpec | None):
@@ -397,7 +442,7 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
                            if settings.lengths and rollout in PRECISIONS else [])
         _write_jsonl(layout.trajectories_path(run_dir, rollout), raw)
         agent_runs[rollout] = [r for r in (_stitched(run) for run in raw) if r is not None]
-    cells, points = [], []
+    cells, points, positions = [], [], []
     for t_index, trainer in enumerate(settings.trainer_engines):
         everything = [r for rollout in settings.rollout_engines for r in agent_runs[rollout] + probes[rollout]]
         if progress:
@@ -419,8 +464,11 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
                 _write_jsonl(layout.router_path(run_dir, rollout, trainer), router)
             if probe_dense:
                 _write_jsonl(run_dir / "reports" / f"{layout.pair(rollout, trainer)}.lengths.dense.jsonl", probe_dense)
-            cells.append(_cell(rollout, trainer, dense, router))
-            points += _length_points(rollout, trainer, probes[rollout], probe_dense) if probes[rollout] else []
+            cells.append(_cell(rollout, trainer, dense, router, _cell_rollout_corr(agent_runs[rollout], trainer)))
+            if probes[rollout]:
+                points += _length_points(rollout, trainer, probes[rollout], probe_dense)
+                positions.append(position_profile_of(rollout, trainer, probes[rollout],
+                                                     [by_id[id(p)].logprobs_T for p in probes[rollout]]))
     if progress:
         progress("teacher forcing", len(settings.trainer_engines), len(settings.trainer_engines))
     for rollout in settings.rollout_engines:
@@ -435,7 +483,8 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
     _write_jsonl(run_dir / layout.DIVERGENCE, divergence)
     matrix = ObservatoryMatrix(
         model=settings.model, suite=settings.suite, rollout_engines=list(settings.rollout_engines),
-        trainer_engines=list(settings.trainer_engines), cells=cells, length_scaling=points, divergence=divergence,
+        trainer_engines=list(settings.trainer_engines), cells=cells, length_scaling=points,
+        position_scaling=positions, divergence=divergence,
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     (run_dir / layout.MATRIX).write_text(json.dumps(matrix.model_dump(mode="json"), indent=2) + "\n")
     return matrix

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..observatory.offpolicy import rs_seq_masked_fraction
+
 # Δ is clamped before exp so one wild token cannot overflow; DESIGN.md's observatory clamp.
 LOG_CLAMP = 20.0
 
@@ -35,7 +37,7 @@ class Correction:
     """Per-token IS weight (float, detached). 0 where ``mask_BT`` is 0."""
     mask_BT: torch.Tensor
     """The mask to train with: the input mask, less what the correction dropped (bool)."""
-    metrics: dict[str, float]
+    metrics: dict[str, float | None]
     """``rollout_corr/...`` scalars over the valid tokens (or sequences) of the input mask."""
 
 
@@ -130,8 +132,10 @@ def masked_is(
 
     Metrics: ``rollout_corr/rollout_rs_masked_fraction`` (share of the input's valid tokens
     dropped, for any reason), ``rollout_corr/rollout_rs_token_masked_fraction`` (tokens dropped by
-    the token bound), ``rollout_corr/rollout_rs_seq_masked_fraction`` (sequences with valid tokens
-    dropped whole by the sequence or geometric-mean bound).
+    the token bound), ``rollout_corr/rollout_rs_seq_masked_fraction`` (verl's: sequences that lost at
+    least one valid token, to any bound) and ``rollout_corr/rollout_rs_seq_dropped_fraction`` (ours:
+    sequences dropped whole by the sequence or geometric-mean bound), both over sequences with
+    valid tokens.
     """
     delta_BT, mask_BT = _prepare(log_ratio_BT, mask_BT)
     n_tokens_B = mask_BT.sum(dim=1)
@@ -158,6 +162,7 @@ def masked_is(
         "rollout_corr/rollout_rs_token_masked_fraction": (
             float(token_out_BT.sum() / n_valid) if n_valid else 0.0
         ),
-        "rollout_corr/rollout_rs_seq_masked_fraction": float(seq_out_B.sum() / n_seq) if n_seq else 0.0,
+        "rollout_corr/rollout_rs_seq_masked_fraction": rs_seq_masked_fraction(mask_BT.cpu().numpy(), kept_BT.cpu().numpy()),
+        "rollout_corr/rollout_rs_seq_dropped_fraction": float(seq_out_B.sum() / n_seq) if n_seq else None,
     }
     return Correction(kept_BT.float(), kept_BT, metrics)

@@ -21,6 +21,8 @@ from ..engines import TrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
 from ..engines.teacher import TeacherForced
+from ..observatory.dense import dense_summary
+from ..observatory.offpolicy import FIGURE_NAMES, flatten_padded, offpolicy_figures
 from .batch import Batch, Datum, collate
 from .config import TrainConfig
 from . import failpoints
@@ -167,9 +169,25 @@ class Learner:
             "rollout_corr/mean_abs_delta": float(full_delta_BT.abs().sum() / n_valid),
             "rollout_corr/max_abs_delta": float(full_delta_BT.abs().max()) if full_delta_BT.numel() else 0.0,
             "rollout_corr/corrected_fraction": float(batch.corrected_B.float().mean()),
+            **self._mismatch_figures(batch),
             **self.sepa.metrics(self.steps_done),
         })
         return metrics
+
+    def _mismatch_figures(self, batch: Batch) -> dict[str, float | None]:
+        """verl's `rollout_corr/*` figures over every datum of the step (logπ_old vs logπ_behaviour),
+        and our token ESS beside them (`rollout_corr/token_ess`). The `rollout_is_*` ones use the
+        correction's C and level, and are None where no IS correction can apply (masked_is, never)."""
+        c = self.config.correction
+        old_BT = batch.old_BT if batch.old_BT is not None else batch.behaviour_BT
+        mask_BT = batch.mask_BT.bool().numpy()
+        trainer_N, lengths_B = flatten_padded(old_BT.double().numpy(), mask_BT)
+        rollout_N, _ = flatten_padded(batch.behaviour_BT.double().numpy(), mask_BT)
+        figures = offpolicy_figures(rollout_N, trainer_N, lengths_B, is_threshold=c.cap,
+                                    is_level="sequence" if c.kind == "sequence_tis" else "token").metrics()
+        if c.kind == "masked_is" or c.when == "never":
+            figures.update({f"rollout_corr/{k}": None for k in FIGURE_NAMES if k.startswith("rollout_is_")})
+        return {**figures, "rollout_corr/token_ess": dense_summary(rollout_N, trainer_N).token_ess}
 
     # -- checkpoints --------------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ from ..engines.precision import Precision
 from ..engines.provenance import checkpoint_digest
 from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
+from ..observatory.offpolicy import FIGURE_NAMES
 from ..runs import atomic_write_text, code_version, new_run_dir, write_json
 from ..tasks.suites import load_suite
 from . import failpoints
@@ -69,11 +70,14 @@ from .failpoints import Failpoint
 CORRECT_REWARD = 1.0
 """A run counts as correct when its reward reaches this (the verifiers' pass value)."""
 
-NO_UPDATE = {key: 0.0 for key in (
+NO_UPDATE: dict[str, float | None] = {**{key: 0.0 for key in (
     "loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
     "exec_entropy_mean", "exec_entropy_var", "plan_entropy_mean", "plan_entropy_var",
-    "rollout_corr/mean_abs_delta", "rollout_corr/max_abs_delta", "rollout_corr/corrected_fraction")}
-"""A step without a group worth training on (every group tied or was held back) logs zeros."""
+    "rollout_corr/mean_abs_delta", "rollout_corr/max_abs_delta", "rollout_corr/corrected_fraction")},
+    # verl's mismatch figures describe the trained datums: none, so they do not apply (null).
+    **{f"rollout_corr/{key}": None for key in (*FIGURE_NAMES, "token_ess")}}
+"""A step without a group worth training on (every group tied or was held back) logs zeros (and
+null for the figures that need datums)."""
 
 USABLE = {DecisionStatus.train, DecisionStatus.train_with_correction, DecisionStatus.replay}
 

@@ -1,0 +1,1 @@
+"""Research tooling: campaigns, statistics, run comparison and adapter analysis."""

@@ -30,6 +30,15 @@ def status_table(statuses, title: str) -> Table:
     return table
 
 
+def run_live(runner, console: Console, title: str) -> None:
+    """Run a CampaignRunner with the live table of its runs (also used by experiments/*.py)."""
+    with Live(status_table(runner.statuses, title), console=console, refresh_per_second=2) as live:
+        runner.on_update = lambda statuses: live.update(status_table(statuses, title))
+        runner.run()
+    if not console.is_terminal:  # the last frame ends without a newline when output is a file
+        console.line()
+
+
 @click.command("campaign")
 @click.argument("campaign_file", metavar="CAMPAIGN.toml", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("overrides", nargs=-1)
@@ -60,11 +69,7 @@ def campaign(campaign_file: Path, overrides: tuple[str, ...], out: Path | None, 
     console.print(f"[bold]rollmarket campaign[/] {plan.name}: {len(plan.conditions)} conditions × "
                   f"{len(plan.seeds)} seeds = {len(plan.runs)} runs, {runner.parallel} at once → {out}",
                   highlight=False)
-    title = f"campaign {plan.name}"
-    with Live(status_table(runner.statuses, title), console=console, refresh_per_second=2,
-              transient=False) as live:
-        runner.on_update = lambda statuses: live.update(status_table(statuses, title))
-        runner.run()
+    run_live(runner, console, f"campaign {plan.name}")
     table = Table(title="held-out accuracy (greedy) before → after", title_justify="left")
     for column in ("condition", "seed", "accuracy", "pass@1", "minutes"):
         table.add_column(column, justify="left" if column == "condition" else "right")

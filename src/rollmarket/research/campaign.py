@@ -50,7 +50,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -167,11 +167,12 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value)
 
 
-def _flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(table: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested tables as dotted keys: {"a": {"b": 1}} → {"a.b": 1}."""
     out: dict[str, Any] = {}
     for key, value in table.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -241,7 +242,7 @@ def parse_campaign(text: str, *, source: str = "<campaign>", overrides: list[str
                                 f"(got {cond_name!r})", fix='add name = "..." to each [[campaign.conditions]]')
         if any(c.name == cond_name for c in conditions):
             raise CampaignError(f"{source}: two conditions are named {cond_name!r}", fix="give each condition its own name")
-        conditions.append(Condition(cond_name, _flatten(raw)))
+        conditions.append(Condition(cond_name, flatten(raw)))
 
     try:  # the file's train sections and the command line's overrides, before any condition
         command_line = {".".join(parse_override(o)[0]) for o in overrides}
@@ -249,7 +250,7 @@ def parse_campaign(text: str, *, source: str = "<campaign>", overrides: list[str
     except TrainConfigError as exc:
         raise CampaignError(f"{source}: {exc}", fix=exc.fix) from None
     reserved = SEED_KEYS[section.seed_mode] + CAMPAIGN_KEYS
-    for where, keys in [("the file's train sections", _flatten(data)),
+    for where, keys in [("the file's train sections", flatten(data)),
                         *((f"condition {c.name}", c.overrides) for c in conditions),
                         ("the command line", command_line)]:
         taken = sorted(k for k in keys if k in reserved)
@@ -265,7 +266,7 @@ def parse_campaign(text: str, *, source: str = "<campaign>", overrides: list[str
             labels = {"labels.condition": cond.name, "labels.seed": seed}
             # The child gets everything as overrides (the file's train sections first): `rollmarket train`
             # would refuse the campaign file's [campaign] and [stats] tables.
-            run_overrides = ([f"{k}={_toml_value(v)}" for k, v in {**_flatten(data), **cond.overrides, **seeds}.items()]
+            run_overrides = ([f"{k}={_toml_value(v)}" for k, v in {**flatten(data), **cond.overrides, **seeds}.items()]
                              + list(overrides) + [f"{k}={_toml_value(v)}" for k, v in labels.items()])
             try:
                 config = resolve(source, run_overrides, base={})
@@ -335,7 +336,7 @@ def _comparable(config: dict) -> dict:
 
 
 def _config_differences(a: dict, b: dict) -> list[str]:
-    fa, fb = _flatten(_comparable(a)), _flatten(_comparable(b))
+    fa, fb = flatten(_comparable(a)), flatten(_comparable(b))
     return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
 
 

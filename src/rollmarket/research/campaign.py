@@ -70,8 +70,9 @@ SEED_KEYS: dict[str, tuple[str, ...]] = {
     "sampling": ("rollout.sampling_seed",),
 }
 """The keys each seed mode sets from the campaign seed; the file and overrides may not set them."""
-CAMPAIGN_KEYS = ("labels.condition", "labels.seed", "runs_root")
-"""Keys the campaign always sets itself."""
+CAMPAIGN_KEYS = ("labels.condition", "labels.seed")
+"""Keys the campaign always sets itself. (runs_root may be set: it says where campaign directories go
+by default; each run's own runs_root is its directory in the campaign.)"""
 
 
 class CampaignError(ValueError):

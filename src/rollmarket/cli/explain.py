@@ -38,8 +38,8 @@ def explain(config: Path, overrides: tuple[str, ...], measure: bool, parallel: i
     estimate of time.
 
     Nothing is started or written. Token counts are upper bounds (every turn at rollout.max_tokens,
-    every run at its turn limit); the time comes from measured token rates (docs/campaigns.md,
-    "Before you run: explain").
+    every run at its turn limit); the time is estimated from measured token rates (docs/campaigns.md,
+    "Before you run").
 
     \b
       rollmarket explain configs/campaign-example.toml
@@ -81,8 +81,8 @@ def explain(config: Path, overrides: tuple[str, ...], measure: bool, parallel: i
         console.print("time: no measured rate for this model; pass --measure to measure one here", highlight=False)
         return
     parts = estimate["parts_s"]
-    console.print(f"time: at most ~{_minutes(estimate['wall_s'])} ({estimate['waves']} wave(s) of ≤ "
+    console.print(f"time: ~{_minutes(estimate['wall_s'])} ({estimate['waves']} wave(s) of ≤ "
                   f"{estimate['parallel']} runs on {estimate['cores']} cores; a run ≤ {_minutes(estimate['per_run_s'])}: "
                   f"generation {parts['generation_s']:.0f} s, training {parts['training_s']:.0f} s, evaluation "
-                  f"{parts['evaluation_s']:.0f} s, start-up {parts['startup_s']:.0f} s). Rates: "
-                  f"{estimate['rates']['source']}.", highlight=False)
+                  f"{parts['evaluation_s']:.0f} s, start-up {parts['startup_s']:.0f} s): token upper bounds at the rates "
+                  f"of {estimate['rates']['source']}; a loaded machine is slower.", highlight=False)

@@ -126,7 +126,7 @@ def run_cost(cfg) -> dict:
 
 
 def run_seconds(cfg, cost: dict, rates: dict) -> dict:
-    """Upper-bound seconds of one run's token work at `rates`, plus start-up."""
+    """Seconds of one run's token work (its token upper bounds) at `rates`, plus start-up."""
     decode = {int(k): float(v) for k, v in rates["decode_tokens_per_s"].items()}
     gen = cost["tokens_max"] / _rate_at(cfg.rollout.group_size, decode)
     train = cost["tokens_max"] * FORWARDS_PER_TRAINED_TOKEN / rates["forward_tokens_per_s"]

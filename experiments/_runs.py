@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def run_campaign(name: str, config: Path, conditions: dict[str, dict], seeds: li
     from rollmarket.cli.campaign import run_live
     from rollmarket.research.campaign import CampaignRunner, campaign_toml, parse_campaign
 
+    out, config = out.resolve(), config.resolve()
+    os.chdir(ROOT)  # the configs' relative paths (model.path) are the repository's, wherever the script starts
     text = campaign_toml(config, name=name, seeds=seeds, conditions=conditions, seed_mode="all")
     plan = parse_campaign(text, source=str(config), overrides=overrides)
     runner = CampaignRunner(plan, out, parallel=parallel)

@@ -241,3 +241,36 @@ def test_a_campaign_killed_with_sigkill_resumes(tmp_path):
         assert [j[2] for j in jobs[1]] == [j[2] for j in jobs[2]], "same tasks in the same order"
         assert samples[1].keys() == samples[2].keys()
         assert any(samples[1][k] != samples[2][k] for k in samples[1]), "new samples"
+
+
+def test_a_rerun_refuses_another_campaign_changed_settings_and_a_second_process(tmp_path):
+    """The directory of a campaign takes only that campaign again; nothing is started or changed."""
+    import fcntl
+
+    from rollmarket.research.campaign import CampaignRunner
+
+    plan = parse_campaign(CAMPAIGN, source="c.toml")
+    out = tmp_path / "campaign"
+    (out / "runs" / "grpo__s1" / "20261126T000000Z-abcdef").mkdir(parents=True)
+    (out / "campaign.json").write_text(json.dumps(plan.manifest()))
+    saved = plan.runs[0].config.model_dump(mode="json")
+    saved["optim"]["lr"] = 0.5
+    (out / "runs" / "grpo__s1" / "20261126T000000Z-abcdef" / "config.json").write_text(json.dumps({"config": saved}))
+    before = sorted(str(p) for p in out.rglob("*"))
+
+    with pytest.raises(CampaignError, match="other settings .*optim.lr"):
+        CampaignRunner(plan, out).run()
+    renamed = parse_campaign(CAMPAIGN.replace('name = "tiny"', 'name = "other"'), source="c.toml")
+    with pytest.raises(CampaignError, match="holds another campaign"):
+        CampaignRunner(renamed, out).run()
+    with pytest.raises(CampaignError, match="not a campaign directory"):
+        CampaignRunner(plan, tmp_path).run()  # not empty, and no campaign.json
+    assert sorted(str(p) for p in out.rglob("*")) == before
+
+    saved["optim"]["lr"] = plan.runs[0].config.optim.lr  # now it matches: only the lock stands in the way
+    (out / "runs" / "grpo__s1" / "20261126T000000Z-abcdef" / "config.json").write_text(json.dumps({"config": saved}))
+    with open(out / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(CampaignError, match="another process is running"):
+            CampaignRunner(plan, out).run()
+    assert not (out / "runs" / "grpo__s1" / "train.log").exists()

@@ -125,7 +125,7 @@ def test_an_unknown_override_is_refused_by_the_command_before_anything_is_made(t
 def test_seed_modes_set_the_seeds_they_name():
     """all: task order, sampling and torch seeds follow the campaign seed; sampling: only the sampling seed
     (the task order and the torch seed stay the file's), so the replicates train on the same tasks."""
-    everything = parse_campaign(CAMPAIGN.replace('"sampling"', '"all"') + "", source="c.toml")
+    everything = parse_campaign(CAMPAIGN.replace('"sampling"', '"all"'), source="c.toml")
     sampling = parse_campaign(CAMPAIGN.replace("[rollout]\n", "[rollout]\nseed = 7\n"), source="c.toml")
     for run in everything.runs:
         c = run.config

@@ -179,3 +179,17 @@ def test_diff_command_table_and_json(tmp_path):
     done = subprocess.run([sys.executable, "-m", "rollmarket", "diff", str(a), str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
+
+
+def test_the_shipped_example_campaign_is_what_the_docs_say(monkeypatch):
+    """configs/campaign-example.toml (README, docs/campaigns.md): 2 conditions × 2 seeds, 2 at once,
+    a [stats] table in the shared layout; its estimate is a few minutes on two cores."""
+    monkeypatch.chdir(ROOT)
+    plan = explain(ROOT / "configs" / "campaign-example.toml", parallel=2)
+    assert [(r["condition"], r["seed"]) for r in plan["runs"]] == [("grpo", 1), ("grpo", 2), ("rloo", 1), ("rloo", 2)]
+    assert plan["settings"]["conditions"] == {"grpo": {}, "rloo": {"algorithm.advantage": "rloo"}}
+    assert 60 < plan["estimate"]["wall_s"] < 6 * 60
+    from rollmarket.research.campaign import load_campaign
+
+    stats = load_campaign(ROOT / "configs" / "campaign-example.toml").stats
+    assert stats == {"metrics": ["eval/pass@1"], "baseline": "grpo", "equivalence_margin": 0.05, "alpha": 0.05}

@@ -43,14 +43,16 @@ test: venv-test browser sandbox lint
 lint: venv-test
 	$(BIN)/ruff check src tests
 
+# Rewrites benchmarks/results/ and then the numbers in docs/benchmarks.md from them (docs/render.py).
 bench: venv-test
-	$(BIN)/python benchmarks/exchange_throughput.py
+	$(BIN)/python benchmarks/exchange_throughput.py --seconds 8 --out benchmarks/results/exchange_throughput.json
 	$(BIN)/python benchmarks/proxy_latency.py
 	$(BIN)/python benchmarks/serve_throughput.py
 	$(BIN)/python benchmarks/teacher_forcing.py
 	$(BIN)/python benchmarks/agent_collect.py
 	$(BIN)/python benchmarks/python_eval_cost.py
 	$(BIN)/python benchmarks/cli_startup.py
+	$(BIN)/python docs/render.py
 
 # Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 40 minutes on 2 cores).
 models: venv

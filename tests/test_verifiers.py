@@ -486,6 +486,22 @@ def test_profile_rollouts_per_task_and_global(tmp_path: Path):
     assert again == report and report.skipped_lines == 1
 
 
+def test_profile_pass_at_k_interval_is_a_bootstrap_over_tasks():
+    """40 tasks × 16 samples, half the tasks always right, half always wrong: pass@1 = 0.5 and the
+    percentile bootstrap over tasks has the binomial spread, half width ≈ 1.96·sqrt(.25/40)."""
+    runs = [verified("4", t % 2 == 0, float(t % 2 == 0), "4", task_id=f"t{t:02d}", index=i)
+            for t in range(40) for i in range(16)]
+    overall = profile_rollouts(runs).overall
+    interval = overall.pass_at_k_interval[1]
+    assert interval.mean == pytest.approx(0.5) and interval.n == 40 and overall.samples_per_task_min == 16
+    assert (interval.hi - interval.lo) / 2 == pytest.approx(1.96 * math.sqrt(0.25 / 40), rel=0.15)
+    assert overall.pass_at_k_interval[16].mean == pytest.approx(0.5)
+    same = [verified("4", True, 1.0, "4", task_id=f"t{t}", index=i) for t in range(3) for i in range(4)]
+    one = profile_rollouts(same).overall
+    assert (one.pass_at_k_interval[1].lo, one.pass_at_k_interval[1].hi) == (1.0, 1.0)
+    assert one.pass_at_k_interval[16] is None and one.samples_per_task_min == 4
+
+
 def test_profile_of_nothing():
     report = profile_rollouts([])
     assert report.overall.samples == 0 and report.overall.pass_at_k == {1: None, 4: None, 16: None}
@@ -502,6 +518,7 @@ def test_profile_cli_writes_the_report_next_to_the_input(tmp_path: Path):
     assert done.returncode == 0, done.stderr
     out = tmp_path / "rollouts.profile.json"
     assert "rollouts.profile.json" in done.stdout and "pass@4" in done.stdout
+    assert "percentile bootstrap over tasks" in done.stdout and "16 or more per task" in done.stdout
     report = json.loads(out.read_text())
     assert report["overall"]["pass_at_k"]["4"] == 1.0 and report["tasks"][0]["majority_at_k"]["4"] == 0.5
     custom = tmp_path / "custom.json"

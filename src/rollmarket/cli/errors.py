@@ -60,6 +60,12 @@ EXPECTED: tuple[Expected, ...] = (
              "start the model server first (`rollmarket serve-model`) or fix --model-url"),
     Expected("rollmarket.verifiers.client", "ResourcesError", FAILURE,
              "start it (`rollmarket verifier serve`) or fix --resources-url"),
+    Expected("rollmarket.research.squeeze", "BadRetention", USAGE),
+    Expected("rollmarket.research.squeeze", "SqueezeError", FAILURE),
+    Expected("rollmarket.research.stats", "BadMetricSpec", USAGE),
+    Expected("rollmarket.research.stats", "UnknownCondition", USAGE),
+    Expected("rollmarket.research.stats", "BadSettings", USAGE),
+    Expected("rollmarket.research.stats", "StatsError", FAILURE, "see docs/statistics.md"),
     Expected("httpx", "TransportError", FAILURE, "is the server running at that address?"),
 )
 

@@ -40,6 +40,8 @@ COMMANDS: dict[str, LazyCommand] = {
     "captures": LazyCommand("rollmarket.cli.proxy", "captures", "Read what a capture proxy recorded."),
     "collect": LazyCommand("rollmarket.cli.agents", "collect_command",
                            "Run every task K times against a model server and write one AgentTrajectory per line."),
+    "compare": LazyCommand("rollmarket.cli.stats", "compare_command",
+                           "Compare any training runs with others, paired by seed, and give verdicts."),
     "dashboard": LazyCommand("rollmarket.cli.dashboard", "dashboard",
                              "The observatory dashboard: mismatch matrices, router matrix, worst token, length "
                              "scaling, agent divergence and a trajectory viewer."),
@@ -68,6 +70,13 @@ COMMANDS: dict[str, LazyCommand] = {
     "schema": LazyCommand("rollmarket.cli.schema", "schema", "Write the JSON Schema of every contract."),
     "serve-model": LazyCommand("rollmarket.cli.serve", "serve_model",
                                "Serve MODEL_PATH (any Hugging Face causal LM directory) with the OpenAI API."),
+    "squeeze": LazyCommand("rollmarket.cli.squeeze", "squeeze",
+                           "Analyse the rank of RUN's LoRA adapter: the singular values of each module's update "
+                           "scale·B·A, the energy (Σσ²) kept by rank 1…r, the smallest rank that keeps the "
+                           "retention, and the rank to retrain with (the largest module rank); writes "
+                           "RUN/squeeze.json."),
+    "stats": LazyCommand("rollmarket.cli.stats", "stats_command",
+                         "Compare every condition of a campaign with its baseline, seed by seed, and give verdicts."),
     "suites": LazyCommand("rollmarket.cli.suites", "suites",
                           "List, show, rebuild and export the shipped task suites (JSONL of TaskSpec lines)."),
     "train": LazyCommand("rollmarket.cli.train", "train_command",

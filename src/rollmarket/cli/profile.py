@@ -29,11 +29,21 @@ def default_out(rollouts: Path) -> Path:
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="JSON report to write [default: ROLLOUTS with .profile.json for .jsonl].")
 @click.option("--by-task/--no-by-task", default=True, show_default=True, help="Print a row per task.")
-@click.option("--seed", default=0, show_default=True, help="Seed of majority@k's Monte Carlo (large tasks only).")
+@click.option("--seed", default=0, show_default=True,
+              help="Seed of majority@k's Monte Carlo (large tasks only) and of the pass@k intervals' bootstrap.")
 def profile(rollouts: Path, out: Path | None, by_task: bool, seed: int) -> None:
     """Profile ROLLOUTS (JSONL, one AgentTrajectory per line): per-task and global pass@k for k in
-    1, 4, 16 (unbiased), majority@k, and the mean, median and std of the reward."""
-    from ..verifiers.profile import profile_rollouts, read_rollouts, report_json
+    1, 4, 16 (unbiased), majority@k, and the mean, median and std of the reward.
+
+    The global pass@k comes with a 95% interval: a percentile bootstrap over tasks. Collect 16 or
+    more samples per task (`rollmarket collect -k 16`) for any claim."""
+    from ..verifiers.profile import (
+        INTERVAL_RESAMPLES,
+        MIN_SAMPLES_PER_TASK,
+        profile_rollouts,
+        read_rollouts,
+        report_json,
+    )
 
     runs, problems = read_rollouts(rollouts)
     for problem in problems[:5]:
@@ -65,6 +75,15 @@ def profile(rollouts: Path, out: Path | None, by_task: bool, seed: int) -> None:
     console.print(table)
     console.print("all: pass@k and majority@k macro-averaged over the tasks with n >= k; rewards over every run",
                   highlight=False)
+    intervals = ", ".join(f"pass@{k} {_pct(i.mean)} [{_pct(i.lo)}, {_pct(i.hi)}]"
+                          for k, i in overall.pass_at_k_interval.items() if i is not None)
+    if intervals:
+        console.print(f"95% intervals (percentile bootstrap over tasks, {INTERVAL_RESAMPLES} resamples): {intervals}",
+                      highlight=False)
+    fewest = overall.samples_per_task_min
+    if fewest is not None and fewest < MIN_SAMPLES_PER_TASK:
+        console.print(f"[yellow]note[/] {fewest} samples for some task: {MIN_SAMPLES_PER_TASK} or more per task "
+                      f"for any claim (collect with -k {MIN_SAMPLES_PER_TASK}; docs/statistics.md)", highlight=False)
     reasons = ", ".join(f"{name} {count}" for name, count in overall.terminal_reasons.items()) or "none"
     console.print(f"runs ended: {reasons}; unverified {overall.unverified}", highlight=False)
     target = out or default_out(rollouts)

@@ -23,6 +23,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..gate import GateConfig
+from ..research.squeeze import SqueezeSettings
 from .lora import LoraSettings
 
 
@@ -127,7 +128,8 @@ class LoopSection(_Section):
 class EvalSection(_Section):
     every: int = Field(10, ge=0, description="Evaluate every N steps, and before the first and after the last; 0: only those two.")
     tasks: int = Field(50, ge=0, description="Held-out tasks (the first N of the heldout split); 0 turns evaluation off.")
-    samples: int = Field(4, ge=1, description="Samples per task at `temperature` for pass@k (k ≤ samples).")
+    samples: int = Field(4, ge=1, description="Samples per task at `temperature` for pass@k (k ≤ samples); 16 or "
+                                              "more for any claim (`rollmarket stats` calls fewer INCONCLUSIVE).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the pass@k samples.")
     max_turns: int = Field(4, ge=1, description="Agent turns per evaluation run.")
 
@@ -181,6 +183,7 @@ class TrainConfig(_Section):
     correction: CorrectionSection = CorrectionSection()
     optim: OptimSection = OptimSection()
     lora: LoraSettings = LoraSettings()
+    squeeze: SqueezeSettings = SqueezeSettings()
     loop: LoopSection = LoopSection()
     gate: GateConfig = GateConfig()
     eval: EvalSection = EvalSection()

@@ -17,6 +17,11 @@ draw where every sample abstains is wrong. Computed exactly over the counts draw
 over `MC_DRAWS` draws. None when n < k.
 
 Correct means `verification.passed`; a run with no verification counts as wrong with reward 0.
+
+The overall pass@k carries a 95% percentile-bootstrap interval over tasks (`INTERVAL_RESAMPLES`
+resamples of the tasks with n >= k, seeded): how much the average would move on another draw of
+tasks like these, with these samples. It says nothing about another seed or another training run
+(docs/statistics.md). Fewer than `MIN_SAMPLES_PER_TASK` samples per task are too few for a claim.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from ..contracts import AgentTrajectory, Record
+from ..contracts import AgentTrajectory, Interval, Record
 from ..tasks.answers import normalize
 
 KS = (1, 4, 16)
@@ -40,6 +45,10 @@ EXACT_LIMIT = 20_000
 EXACT_MAX_KEYS = 64
 """Tasks with more distinct vote keys than this go straight to Monte Carlo."""
 MC_DRAWS = 10_000
+INTERVAL_RESAMPLES = 2000
+"""Bootstrap resamples (over tasks) of the overall pass@k interval."""
+MIN_SAMPLES_PER_TASK = 16
+"""Samples per task below which the profile warns: too few for any claim (docs/statistics.md)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float | None:
@@ -182,6 +191,11 @@ class GlobalProfile(_Rewards):
         description="Macro average over tasks with n >= k of their pass@k; None when no task has k samples.")
     majority_at_k: dict[int, float | None] = Field(description="Macro average over tasks with n >= k of majority@k.")
     tasks_at_k: dict[int, int] = Field(description="How many tasks entered each k's averages (those with n >= k).")
+    pass_at_k_interval: dict[int, Interval | None] = Field(
+        default_factory=dict, description="pass@k with its 95% percentile-bootstrap interval over those tasks "
+                                          "(2000 resamples of the tasks); None when no task has k samples.")
+    samples_per_task_min: int | None = Field(
+        default=None, description="The fewest samples of any task (>= 16 for any claim); None with no tasks.")
     terminal_reasons: dict[str, int] = Field(description="How the runs ended, counted.")
 
 
@@ -197,6 +211,15 @@ class ProfileReport(Record):
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def _task_interval(values: list[float | None], seed: int) -> Interval | None:
+    """The mean over tasks with its percentile-bootstrap interval (tasks resampled); None entries
+    (tasks with n < k) left out; None when none is left."""
+    from ..observatory.stats import bootstrap_interval
+
+    kept = [v for v in values if v is not None]
+    return bootstrap_interval(kept, n_resamples=INTERVAL_RESAMPLES, seed=seed) if kept else None
 
 
 def profile_rollouts(records: Iterable[AgentTrajectory], *, ks: Sequence[int] = KS, source: str | None = None,
@@ -231,6 +254,8 @@ def profile_rollouts(records: Iterable[AgentTrajectory], *, ks: Sequence[int] = 
         pass_at_k={k: _mean([r.pass_at_k[k] for r in rows if r.pass_at_k[k] is not None]) for k in ks},
         majority_at_k={k: _mean([r.majority_at_k[k] for r in rows if r.majority_at_k[k] is not None]) for k in ks},
         tasks_at_k={k: sum(r.n >= k for r in rows) for k in ks},
+        pass_at_k_interval={k: _task_interval([r.pass_at_k[k] for r in rows], seed) for k in ks},
+        samples_per_task_min=min((r.n for r in rows), default=None),
         terminal_reasons=dict(sorted(reasons.items())), **reward_stats(all_rewards),
     )
     return ProfileReport(source=source, ks=list(ks), skipped_lines=skipped_lines, overall=overall, tasks=rows)

@@ -1,0 +1,903 @@
+"""Regenerate every measured number in docs/benchmarks.md and docs/experiments.md from the raw
+results committed beside them, so a number in the docs always has its evidence in the repository.
+
+A doc marks each generated part with a pair of HTML comments:
+
+    <!-- generated: NAME -->
+    ...text this script writes...
+    <!-- /generated -->
+
+`python docs/render.py` rewrites every marked block from the JSON under `benchmarks/results/` and
+`experiments/results/`; `python docs/render.py --check` changes nothing and exits 1 when a block
+differs from what the results give (tests/test_docs_numbers.py runs it). Text outside the blocks
+is the method — commands, settings, reasoning — and quotes no measured number.
+
+Plain json and string formatting only: this runs in the test suite and in CI without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("docs/benchmarks.md", "docs/experiments.md")
+BLOCK_RE = re.compile(r"<!-- generated: (?P<name>[a-z0-9-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
+
+BLOCKS: dict[str, Callable[[], str]] = {}
+LOADED: set[str] = set()  # every raw result a renderer read, so a test can find results no doc uses
+
+
+class RenderError(Exception):
+    """A doc names a block no renderer knows, or a raw result lacks what a block needs."""
+
+
+def block(name: str):
+    """Register the function that writes the block NAME (its text, without the markers)."""
+    def register(fn: Callable[[], str]) -> Callable[[], str]:
+        if name in BLOCKS:
+            raise RenderError(f"two renderers for block {name!r}")
+        BLOCKS[name] = fn
+        return fn
+    return register
+
+
+@cache
+def load(path: str):
+    """A raw result, by its path from the repository root (read once per process)."""
+    LOADED.add(path)
+    return json.loads((ROOT / path).read_text())
+
+
+# ---- formatting ---------------------------------------------------------------------------------
+
+def n(x: float, digits: int = 0) -> str:
+    """Thousands separators and a fixed number of decimals: 1,609 or 175.6."""
+    return f"{x:,.{digits}f}"
+
+
+def sci(x: float, digits: int = 1) -> str:
+    """9.5e-7 (no padded exponent); an exact zero stays 0."""
+    if x == 0:
+        return "0"
+    mantissa, exponent = f"{x:.{digits}e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def times(x: float, digits: int = 2) -> str:
+    return f"{x:.{digits}f}×"
+
+
+def signed(x: float, digits: int = 3) -> str:
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def pct(x: float, digits: int = 0) -> str:
+    return f"{100 * x:.{digits}f}%"
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def span(lo: str, hi: str) -> str:
+    """'a–b', or just 'a' when both ends print alike."""
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def bold(text: str, on: bool = True) -> str:
+    return f"**{text}**" if on else text
+
+
+def table(header: list[str], align: list[str], rows: list[list[str]]) -> str:
+    """A markdown table; align holds 'l' or 'r' per column."""
+    rule = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(cells) + " |" for cells in [header, *rows]]
+    return "\n".join([lines[0], "|" + "|".join(rule) + "|", *lines[1:]])
+
+
+def provenance(path: str, meta: dict, *, date: str | None = None, inline: bool = False) -> str:
+    """The one line that keeps a result's file, machine and date with its numbers (`inline`: as a
+    clause inside a sentence)."""
+    machine = meta.get("machine")
+    if isinstance(machine, dict):
+        parts = [machine.get("platform", "")]
+        if "cpus" in machine:
+            parts.append(f"{machine['cpus']} CPUs")
+        if "python" in machine:
+            parts.append(f"Python {machine['python']}")
+        if "numpy" in machine:
+            parts.append(f"numpy {machine['numpy']}")
+        if "load_average" in machine:
+            parts.append(f"load average {machine['load_average'][0]:.1f} at the start")
+        for key in ("gpu", "torch", "transformers", "note"):
+            if key in machine:
+                parts.append(str(machine[key]))
+    else:
+        parts = [str(machine), f"{meta['cpus']} CPUs" if "cpus" in meta else "",
+                 f"Python {meta['python']}" if "python" in meta else ""]
+        for key in ("gpu", "device_name", "torch", "transformers", "triton"):
+            if key in meta and meta[key] not in ("x86_64", "cpu"):
+                parts.append(f"{key.replace('_name', '')} {meta[key]}" if key in ("torch", "transformers", "triton")
+                             else str(meta[key]))
+    when = date or meta.get("date") or meta.get("created_at")
+    machine_text = ", ".join(p for p in parts if p)
+    if inline:
+        return f"raw result `{path}`; Machine: {machine_text}; Date: {when}"
+    return f"Raw result: `{path}`. Machine: {machine_text}. Date: {when}."
+
+
+# ---- exchange throughput ------------------------------------------------------------------------
+
+EXCHANGE = "benchmarks/results/exchange_throughput.json"
+
+
+def _exchange_rows() -> dict[tuple[int, str], dict]:
+    return {(r["workers"], r["mode"]): r for r in load(EXCHANGE)["results"]}
+
+
+@block("exchange-provenance")
+def _():
+    return provenance(EXCHANGE, load(EXCHANGE)["meta"])
+
+
+@block("exchange-table")
+def _():
+    rows = _exchange_rows()
+    out = []
+    for (workers, mode), r in rows.items():
+        paced = r["paced_tokens_per_s"] is not None
+        json_rate = rows[(workers, "json")]["tokens_per_s"]
+        bare_rate = rows[(workers, "bare-json")]["tokens_per_s"]
+        lease = "–" if r.get("lease_p50_ms") is None else f"{r['lease_p50_ms']:.1f} / {bold(n(r['lease_p99_ms'], 1), paced)}"
+        out.append([
+            str(workers), mode, n(r["groups_per_s"], 1),
+            bold(f"{r['tokens_per_s'] / 1e6:.2f}M", workers == 16 and mode.startswith("msgpack")),
+            "–" if paced else bold(times(r["tokens_per_s"] / json_rate), mode == "msgpack"),
+            "–" if paced else times(r["tokens_per_s"] / bare_rate),
+            f"{r['submit_p50_ms']:.1f} / {bold(n(r['submit_p99_ms'], 1), paced)}",
+            lease, f"{r['server_cpu_ms_per_group']:.2f}",
+        ])
+    return table(["workers", "mode", "groups/s", "response tokens/s", "vs json", "vs bare-json",
+                  "submit p50 / p99 ms", "lease p50 / p99 ms", "server CPU ms/group"],
+                 list("rl") + list("r" * 7), out)
+
+
+@block("exchange-goal")
+def _():
+    rows = _exchange_rows()
+    paced, sat = rows[(16, "msgpack @2M/s")], rows[(16, "msgpack")]
+    return (
+        "**Against the goal** (2,000,000 response tokens/s with 16 workers, p99 submit and lease latency\n"
+        "under 50 ms, with full validation, hashing and durable writes): "
+        f"{'met' if paced['submit_p99_ms'] < 50 and paced['lease_p99_ms'] < 50 else 'not met'} at the target load — "
+        f"paced at {paced['tokens_per_s'] / 1e6:.1f}M tokens/s\n"
+        f"the p99s are {paced['submit_p99_ms']:.0f} ms (submit) and {paced['lease_p99_ms']:.0f} ms (lease); "
+        f"run back to back the exchange takes\n{sat['tokens_per_s'] / 1e6:.1f}M tokens/s. At that saturation the "
+        f"p99s are {sat['submit_p99_ms']:.0f} ms and {sat['lease_p99_ms']:.0f} ms: 16 closed-loop\n"
+        f"clients always queue behind each other (Little's law: 16 in flight at "
+        f"~{sat['server_cpu_ms_per_group']:.0f} ms of server CPU per\n"
+        "group), so latency there measures the queue, not the service."
+    )
+
+
+LIMITS = "benchmarks/results/exchange_throughput_limits.json"
+
+
+@block("exchange-limits-provenance")
+def _():
+    data = load(LIMITS)
+    dates = sorted(r["meta"]["date"] for r in data.values())
+    meta = data["new-round1"]["meta"]
+    return provenance(LIMITS, meta, date=f"{dates[0]} to {dates[-1]} (four rounds, alternated)")
+
+
+@block("exchange-limits-table")
+def _():
+    data = load(LIMITS)
+
+    def rate(round_name: str, workers: int, mode: str) -> float:
+        return next(r["tokens_per_s"] for r in data[round_name]["results"]
+                    if r["workers"] == workers and r["mode"] == mode)
+
+    out = []
+    for workers, mode in [(1, "msgpack"), (1, "json"), (16, "msgpack"), (16, "json")]:
+        old = [rate(f"old-round{i}", workers, mode) for i in (1, 2)]
+        new = [rate(f"new-round{i}", workers, mode) for i in (1, 2)]
+        out.append([str(workers), mode, " / ".join(f"{x / 1e6:.2f}" for x in old),
+                    " / ".join(f"{x / 1e6:.2f}" for x in new), times(statistics.mean(new) / statistics.mean(old))])
+    paced = [r["tokens_per_s"] for v in data.values() for r in v["results"] if r["paced_tokens_per_s"]]
+    return (table(["workers", "mode", "before (M tokens/s, 2 runs)", "with the limits (2 runs)", "ratio of means"],
+                  list("rlrrr"), out)
+            + f"\n\nPaced at 2M tokens/s with 16 workers, both versions kept up in every round "
+              f"({span(f'{min(paced) / 1e6:.2f}', f'{max(paced) / 1e6:.2f}')}M).")
+
+
+# ---- capture proxy ------------------------------------------------------------------------------
+
+PROXY = "benchmarks/results/proxy_latency.json"
+
+
+@block("proxy-provenance")
+def _():
+    return provenance(PROXY, load(PROXY))
+
+
+@block("proxy-table")
+def _():
+    v = load(PROXY)["variants"]
+    direct, proxy = v["direct"], v["proxy"]
+
+    def row(label, a, b, rate="–", strong=False):
+        added = bold(signed(b["p50_ms"] - a["p50_ms"], 2), strong) + " / " + signed(b["p99_ms"] - a["p99_ms"], 2)
+        return [label, f"{a['p50_ms']:.2f} / {a['p99_ms']:.2f}", f"{b['p50_ms']:.2f} / {b['p99_ms']:.2f}", added, rate]
+
+    out = [row("1 connection, whole answer", direct["latency_whole"], proxy["latency_whole"], strong=True),
+           row("1 connection, 64-event stream", direct["latency_stream"], proxy["latency_stream"])]
+    for a, b in zip(direct["rates"], proxy["rates"]):
+        last = a is direct["rates"][-1]
+        out.append(row(f"{a['offered_rps']:.0f} req/s offered", a, b,
+                       bold(times(b["achieved_rps"] / a["achieved_rps"], 3), last), strong=last))
+    out.append([f"closed loop, {direct['max']['connections']} connections", f"{n(direct['max']['achieved_rps'])} req/s",
+                f"{n(proxy['max']['achieved_rps'])} req/s", "–", "–"])
+    return table(["phase", "direct p50 / p99 ms", "via proxy p50 / p99 ms", "added p50 / p99 ms", "rate vs direct"],
+                 list("lrrrr"), out)
+
+
+@block("proxy-prose")
+def _():
+    v = load(PROXY)["variants"]
+    direct, proxy = v["direct"], v["proxy"]
+    added = [b["p50_ms"] - a["p50_ms"] for a, b in zip(direct["rates"], proxy["rates"])]
+    added.append(proxy["latency_whole"]["p50_ms"] - direct["latency_whole"]["p50_ms"])
+    kept = min(b["achieved_rps"] / a["achieved_rps"] for a, b in zip(direct["rates"], proxy["rates"]))
+    cpu = [proxy["latency_whole"]["proxy_cpu_ms_per_request"]] + [r["proxy_cpu_ms_per_request"] for r in proxy["rates"]]
+    holds = max(added) < 2 and kept > 0.99
+    return (
+        f"The goal — under 2 ms added at p50 and no loss of throughput below 500 requests/s — "
+        f"{'holds' if holds else 'is not met'}\n(added p50 at most {max(added):.2f} ms, rate kept "
+        f"{kept:.3f}×). The proxy spends {span(f'{min(cpu):.1f}', f'{max(cpu):.1f}')} ms of CPU per whole call "
+        f"and {proxy['latency_stream']['proxy_cpu_ms_per_request']:.1f} ms per 64-event stream;\n"
+        f"closed-loop, one proxy process served {n(proxy['max']['achieved_rps'])} req/s on this box; past that, "
+        "run more proxies. The\nclosed-loop ratio against the stub (which does no work) is not a meaningful comparison."
+    )
+
+
+# ---- model server -------------------------------------------------------------------------------
+
+SERVE = "benchmarks/results/serve_throughput.json"
+SERVE_CUDA = "benchmarks/results/serve_throughput-cuda.json"
+
+
+def _serve(path: str) -> dict[tuple[str, str, int], dict]:
+    return {(r["model"], r["path"], r["batch"]): r for r in load(path)["results"]}
+
+
+@block("serve-provenance")
+def _():
+    return provenance(SERVE, load(SERVE)["meta"])
+
+
+@block("serve-table")
+def _():
+    rows = _serve(SERVE)
+    out = []
+    for model in ("tiny-moe", "tiny-dense"):
+        for path in ("http", "engine"):
+            one, many = rows[(model, path, 1)], rows[(model, path, 32)]
+            out.append([model, "HTTP" if path == "http" else "engine", n(one["tokens_per_s"]), n(many["tokens_per_s"]),
+                        bold(times(many["tokens_per_s"] / one["tokens_per_s"], 1), path == "http")])
+    return table(["model", "path", "batch 1 tok/s", "batch 32 tok/s", "batch 32 / batch 1"], list("llrrr"), out)
+
+
+@block("serve-cuda")
+def _():
+    rows, cpu = _serve(SERVE_CUDA), _serve(SERVE)
+
+    def pair(model, path):
+        one, many = rows[(model, path, 1)]["tokens_per_s"], rows[(model, path, 32)]["tokens_per_s"]
+        return one, many
+
+    (me1, me32), (de1, de32) = pair("tiny-moe", "engine"), pair("tiny-dense", "engine")
+    (mh1, mh32), (dh1, dh32) = pair("tiny-moe", "http"), pair("tiny-dense", "http")
+    kept = [cpu[(m, "http", b)]["tokens_per_s"] / cpu[(m, "engine", b)]["tokens_per_s"]
+            for m in ("tiny-moe", "tiny-dense") for b in (1, 32)]
+    meta = load(SERVE_CUDA)["meta"]
+    return (
+        f"On one GPU (`benchmarks/serve_throughput.py --device cuda`; {provenance(SERVE_CUDA, meta, inline=True)}) the\ntiny "
+        f"models are launch-bound: the engine alone reaches {n(me1)} → {n(me32)} tok/s (tiny-moe, {me32 / me1:.0f}×) "
+        f"and {n(de1)} → {n(de32)}\n(tiny-dense, {de32 / de1:.0f}×) from batch 1 to 32, but through HTTP only "
+        f"{n(mh1)} → {n(mh32)} and {n(dh1)} → {n(dh32)}: bursts split into\ntwo engine batches and the event loop "
+        "and the decode loop contend for the GIL when each step is a few\nmilliseconds. That gap, and continuous "
+        "batching, belong to the GPU performance work; on the CPU, where\nsteps are compute-bound, HTTP gives "
+        f"{span(f'{min(kept):.2f}', f'{max(kept):.2f}')}× the engine's rate (best of 3 each)."
+    )
+
+
+# ---- teacher forcing ----------------------------------------------------------------------------
+
+TF = "benchmarks/results/teacher_forcing-cuda.json"
+TF_SWEEP = "benchmarks/results/teacher_forcing-sweep-cuda.json"
+TF_COMPILE = "benchmarks/results/teacher_forcing-compile-cuda.json"
+TF_BEFORE = "benchmarks/results/teacher_forcing-cuda-before-kernel.json"
+TF_CPU = "benchmarks/results/teacher_forcing-cpu.json"
+SHAPES = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-4b": "Qwen3-4B"}
+
+
+def _tf(path: str) -> dict[tuple[str, str], dict]:
+    return {(r["shape"], r["method"]): r for r in load(path)["results"]}
+
+
+def _sweep(shape: str) -> tuple[dict, dict[str, dict]]:
+    result = next(r for r in load(TF_SWEEP)["results"] if r["shape"] == shape)
+    return result, {v["label"]: v for v in result["variants"]}
+
+
+@block("tf-provenance")
+def _():
+    return provenance(TF, load(TF)["meta"])
+
+
+@block("tf-table")
+def _():
+    rows = _tf(TF)
+    out = []
+    for shape, label in SHAPES.items():
+        e, nv, nl = rows[(shape, "engine")], rows[(shape, "naive")], rows[(shape, "naive-logprobs")]
+        out.append([label, n(e["tokens_per_s"]), n(nv["tokens_per_s"]), n(nl["tokens_per_s"]),
+                    bold(times(e["speedup_vs_naive"])), times(e["speedup_vs_naive_logprobs"]),
+                    f"{gib(e['peak_extra_bytes'])} / {gib(nv['peak_extra_bytes'])} / {gib(nl['peak_extra_bytes'])}",
+                    bold(times(e["peak_extra_ratio_vs_naive"], 3)),
+                    f"{sci(e['max_abs_logprob_diff_vs_naive'])} / {sci(e['max_abs_entropy_diff_vs_naive'])}"])
+    return table(["shape", "engine tok/s", "naive tok/s", "naive-logprobs tok/s", "**engine vs naive**",
+                  "engine vs naive-logprobs", "peak extra GiB engine / naive / naive-logprobs", "**memory vs naive**",
+                  "max \\|Δ\\| vs naive: logprob / entropy"], ["l"] + ["r"] * 8, out)
+
+
+@block("tf-table-other")
+def _():
+    rows = _tf(TF)
+    out = []
+    for shape, label in SHAPES.items():
+        t, c = rows[(shape, "engine-torch")], rows[(shape, "engine-compiled")]
+        out.append([label, f"{n(t['tokens_per_s'])} ({times(t['speedup_vs_naive'])})",
+                    f"{n(c['tokens_per_s'])} ({times(c['speedup_vs_naive'])})",
+                    sci(c["max_abs_logprob_diff_vs_naive"]), f"{c['first_call_s']:.1f} s"])
+    return table(["shape", "engine-torch tok/s (vs naive)", "engine-compiled tok/s (vs naive)",
+                  "engine-compiled max \\|Δ\\| logprob vs naive", "compile (first call)"], list("lrrrr"), out)
+
+
+@block("tf-goal")
+def _():
+    rows = _tf(TF)
+    engines = [rows[(s, "engine")] for s in SHAPES]
+    compiled = [rows[(s, "engine-compiled")] for s in SHAPES]
+    met_speed = [SHAPES[e["shape"]] for e in engines if e["speedup_vs_naive"] >= 1.3]
+    head_ms = {s: _sweep(s)[1]["fused kernel, chunk 4096"]["ms"] for s in SHAPES}
+    engine_ms = {e["shape"]: 1000 * e["seconds"] for e in engines}
+    body_share = [1 - head_ms[s] / engine_ms[s] for s in SHAPES]
+    naive_4b_ms = 1000 * rows[("qwen3-4b", "naive")]["seconds"]
+    body_4b_ms = engine_ms["qwen3-4b"] - head_ms["qwen3-4b"]
+    cb = {r["shape"]: r for r in load(TF_COMPILE)["compile_body"]}
+    body_gain = [cb[s]["eager_body_ms"] / cb[s]["body_ms"] for s in cb]
+    comp_speed = ", ".join(times(c["speedup_vs_naive"]) for c in compiled)
+    first = [c["first_call_s"] for c in compiled]
+    second = [r["second_shape_call_s"] for r in cb.values()]
+    return (
+        "Against the issue's goal (≥ 1.3× the naive tokens/s for logprobs plus entropy, ≤ 0.35× its extra\n"
+        f"memory, logprobs within 1e-3): memory and accuracy are met on every shape (at most "
+        f"{max(e['peak_extra_ratio_vs_naive'] for e in engines):.3f}× the\nnaive path's memory; logprobs within "
+        f"{sci(max(e['max_abs_logprob_diff_vs_naive'] for e in engines))}, entropies within "
+        f"{sci(max(e['max_abs_entropy_diff_vs_naive'] for e in engines))}); speed is met on "
+        f"{', '.join(met_speed) or 'no shape'} only.\nThe reason is the model body, which both paths run: with the "
+        f"fused head the lm-head and its statistics\ntake {span(f'{min(head_ms.values()):.0f}', f'{max(head_ms.values()):.0f}')} ms "
+        f"of the engine's {span(f'{min(engine_ms.values()):.0f}', f'{max(engine_ms.values()):.0f}')} ms, so the body is "
+        f"{span(pct(min(body_share)), pct(max(body_share)))} of it, and even a free head would\n"
+        f"give the 4B shape at most {naive_4b_ms:.0f} / {body_4b_ms:.0f} = {times(naive_4b_ms / body_4b_ms)} "
+        "(naive time over the engine's time less its head). Compiling the layers speeds\n"
+        f"the body up {span(times(min(body_gain), 1), times(max(body_gain), 1))} and gives {comp_speed} on the three "
+        "shapes, but its logprobs are not within 1e-3 of the\nnaive path's: fused kernels round bf16 differently, and "
+        "on these deep random-weight models that moves\nlogprobs by up to "
+        f"{sci(max(c['max_abs_logprob_diff_vs_naive'] for c in compiled))}. Measured against the float32 model on the "
+        "same weights (below) the compiled body is\nabout as accurate as the eager one — the 1e-3 criterion compares "
+        "with one particular bf16 rounding —\nbut it does not meet the criterion as stated, so `compile_layers` is "
+        f"opt-in, not the default (it also\ncompiles for {span(f'{min(first):.1f}', f'{max(first):.1f}')} s, and a new "
+        f"batch shape recompiles once, {span(f'{min(second):.1f}', f'{max(second):.1f}')} s measured)."
+    )
+
+
+@block("tf-sweep-provenance")
+def _():
+    return provenance(TF_SWEEP, load(TF_SWEEP)["meta"])
+
+
+@block("tf-sweep-table")
+def _():
+    cols = [_sweep(s) for s in SHAPES]
+
+    def cell(label, strong=False):
+        return [bold(f"{v[label]['ms']:.1f} ({gib(v[label]['peak_extra_bytes'])})", strong) for _, v in cols]
+
+    chunks = ["fused kernel, chunk 1024", "fused kernel, chunk 2048", "fused kernel, chunk 8192", "fused kernel, chunk 14336"]
+    out = [
+        ["body as `model(ids)` runs it (with its KV cache)"] + [f"{r['body_ms']:.1f}" for r, _ in cols],
+        ["lm-head matmul alone, 4,096 a chunk"] + cell("lm-head matmul only, chunk 4096"),
+        ["torch chunk math, 1,024 a chunk (the old engine)"] + cell("torch chunk math, chunk 1024"),
+        ["`torch.compile`d chunk math, 4,096 a chunk"] + cell("torch.compile chunk math, chunk 4096"),
+        ["**fused kernel, 4,096 a chunk**"] + cell("fused kernel, chunk 4096", strong=True),
+        ["fused kernel, 1,024 / 2,048 / 8,192 / 14,336 a chunk"]
+        + [" / ".join(f"{v[c]['ms']:.1f}" for c in chunks) for _, v in cols],
+        ["naive head (float32 log-softmax + entropy)"] + cell("naive head (float32 log_softmax + entropy)"),
+    ]
+    return table(["ms (peak extra GiB)", *SHAPES.values()], list("lrrr"), out)
+
+
+@block("tf-sweep-prose")
+def _():
+    result, v = _sweep("qwen3-0.6b")
+    kernels = {k: x for k, x in v.items() if k.startswith("kernel alone")}
+    best = min(kernels.values(), key=lambda x: x["ms"])
+    rows = 4096
+    tb_s = rows * result["vocab"] * 2 / (best["ms"] / 1000) / 1e12
+    extra = [_sweep(s)[1]["fused kernel, chunk 4096"]["ms"] - _sweep(s)[1]["lm-head matmul only, chunk 4096"]["ms"]
+             for s in SHAPES]
+    spread = []
+    for s in SHAPES:
+        fused = [x["ms"] for k, x in _sweep(s)[1].items() if k.startswith("fused kernel")]
+        spread.append(max(fused) / min(fused) - 1)
+    by_block = {b: [x["ms"] for x in kernels.values() if x["block"] == b] for b in (2048, 4096, 8192)}
+    ties = sorted(x["num_warps"] for x in kernels.values() if x["block"] == 2048 and round(x["ms"], 2) == round(best["ms"], 2))
+    return (
+        f"The kernel alone reads {n(rows)} × {n(result['vocab'])} bf16 logits in {best['ms']:.2f} ms "
+        f"({tb_s:.1f} TB/s), so the fused head is the\nlm-head matmul plus {span(f'{min(extra):.0f}', f'{max(extra):.0f}')} ms. "
+        f"Chunk size barely matters once the float32 buffers are gone (within {pct(max(spread))}\n"
+        f"from 1,024 to 14,336 positions); 4,096 is the default, "
+        f"{gib(v['fused kernel, chunk 4096']['peak_extra_bytes'])} GiB of bf16 logits. A block of 2,048\nvocabulary "
+        f"entries with {' and '.join(str(w) for w in ties)} warps was the fastest of the {len(kernels)} kernel configurations "
+        f"tried ({best['ms']:.2f} ms;\n4,096 entries took {span(f'{min(by_block[4096]):.2f}', f'{max(by_block[4096]):.2f}')} ms, "
+        f"8,192 entries {span(f'{min(by_block[8192]):.2f}', f'{max(by_block[8192]):.2f}')} ms)."
+    )
+
+
+@block("tf-compile-prose")
+def _():
+    cb = {r["shape"]: r for r in load(TF_COMPILE)["compile_body"]}
+    a, b = cb["qwen3-0.6b"], cb["qwen3-4b"]
+    return (
+        f"{provenance(TF_COMPILE, load(TF_COMPILE)['meta'])} The body without a KV cache, as the engine runs it, takes\n"
+        f"{a['eager_body_ms']:.1f} ms eager and {a['body_ms']:.1f} ms with compiled layers on the 0.6B shape, "
+        f"{b['eager_body_ms']:.1f} and {b['body_ms']:.1f} ms on the\n4B shape. Each engine's logprobs over all "
+        "scored tokens, against those of the float32 model whose weights\nthe bf16 ones round:"
+    )
+
+
+@block("tf-compile-table")
+def _():
+    labels = {"eager": "eager (the engine)", "compiled layers": "compiled layers",
+              "compiled layers, emulate_precision_casts": "compiled, `emulate_precision_casts`"}
+    out = []
+    for shape in load(TF_COMPILE)["accuracy"]:
+        for v in shape["variants"]:
+            out.append([SHAPES[shape["shape"]], labels[v["label"]], n(v["tokens_per_s"]),
+                        f"{sci(v['mean_abs_lp_vs_fp32'])} / {sci(v['max_abs_lp_vs_fp32'])}",
+                        f"{sci(v['mean_abs_lp_vs_eager'])} / {sci(v['max_abs_lp_vs_eager'])}"])
+    return table(["shape", "variant", "tok/s", "mean / max \\|Δ\\| vs float32", "mean / max \\|Δ\\| vs eager bf16"],
+                 list("llrrr"), out)
+
+
+@block("tf-before")
+def _():
+    rows = _tf(TF_BEFORE)
+    meta = load(TF_BEFORE)["meta"]
+    parts = []
+    for shape, label in SHAPES.items():
+        e, nv = rows[(shape, "engine")], rows[(shape, "naive")]
+        parts.append(f"{n(e['tokens_per_s'])} / {n(nv['tokens_per_s'])} tok/s "
+                     f"({label.removeprefix('Qwen3-')}, {times(e['speedup_vs_naive'])})")
+    engine_gib = [float(gib(rows[(s, "engine")]["peak_extra_bytes"])) for s in SHAPES]
+    return (
+        "Earlier numbers, before the kernel (the engine at 1,024 positions a chunk with the torch chunk math\n"
+        "and a KV cache, against the naive logprobs-only path; "
+        f"{provenance(TF_BEFORE, meta, inline=True)}. This file is the\nfirst version of `teacher_forcing-cuda.json`, restored from "
+        "git history (commit b9b5003)): " + ", ".join(parts)
+        + f",\nat {span(f'{min(engine_gib):.2f}', f'{max(engine_gib):.2f}')} GiB against "
+        f"{gib(rows[('qwen3-0.6b', 'naive')]['peak_extra_bytes'])}."
+    )
+
+
+@block("tf-cpu")
+def _():
+    meta = load(TF_CPU)["meta"]
+    rows = _tf(TF_CPU)
+    out = []
+    for shape in ("tiny-dense", "tiny-moe", "bigvocab"):
+        # This file's first version named the logprobs-only baseline "naive"; the script today calls it
+        # "naive-logprobs" (and "naive" adds the entropy).
+        e = rows[(shape, "engine")]
+        nv = rows.get((shape, "naive-logprobs"), rows[(shape, "naive")])
+        label = (f"{shape}, {e['batch']}×{e['seq']}" if shape != "bigvocab"
+                 else f"vocab {n(e['vocab'])}, {e['batch']}×{e['seq']}")
+        out.append([label, n(e["tokens_per_s"]), n(nv["tokens_per_s"]), times(e["tokens_per_s"] / nv["tokens_per_s"]),
+                    f"{gib(e['peak_extra_bytes'])} / {gib(nv['peak_extra_bytes'])}",
+                    times(e["peak_extra_bytes"] / nv["peak_extra_bytes"])])
+    return (provenance(TF_CPU, meta) + "\n\n"
+            + table(["shape", "engine tok/s", "naive-logprobs tok/s", "speed",
+                     "peak extra GiB engine / naive-logprobs", "memory"], list("lrrrrr"), out))
+
+
+# ---- MoE matrix ---------------------------------------------------------------------------------
+
+MOE = "benchmarks/results/moe_matrix-cuda.json"
+
+
+def _moe() -> dict[tuple[str, str], dict]:
+    return {(c["rollout"], c["trainer"]): c for c in load(MOE)["cells"]}
+
+
+@block("moe-provenance")
+def _():
+    meta = load(MOE)["meta"]
+    return (provenance(MOE, meta)
+            + f" Model: {meta['parameters'] / 1e9:.2f}B parameters ({meta['settings']['layers']} layers).")
+
+
+@block("moe-table")
+def _():
+    out = []
+    for (rollout, trainer), c in _moe().items():
+        out.append([f"{rollout} → {trainer}", f"{c['token_ess']:.5f}", f"{c['sequence_ess']:.3f}",
+                    sci(c["mean_abs_delta"]), f"{c['max_abs_delta']:.3f}", sci(c["kl_k3"]),
+                    pct(c["router_flip_rate"], 2), f"{c['topk_overlap']:.3f}", pct(c["token_expert_disagreement_rate"], 1)])
+    return table(["rollout → trainer", "token ESS", "sequence ESS", "mean \\|Δlogp\\|", "max \\|Δlogp\\|", "k3",
+                  "router flip rate", "top-k overlap", "tokens with any expert changed"], ["l"] + ["r"] * 8, out)
+
+
+@block("moe-prose")
+def _():
+    cells, meta = _moe(), load(MOE)["meta"]
+    fp8, bf = cells[("fp8", "bf16")]["per_layer_flip_rate"], cells[("bf16", "bf16")]["per_layer_flip_rate"]
+    lo, hi = min(range(len(fp8)), key=fp8.__getitem__), max(range(len(fp8)), key=fp8.__getitem__)
+    settings = meta["settings"]
+    trainer_s = [c["trainer_s"] for c in cells.values()]
+    entropy = statistics.mean(c["trainer_entropy_mean"] for c in cells.values())
+    return (
+        f"Per layer, the fp8 rollout's flip rate against the bf16 trainer runs from {pct(fp8[lo], 1)} (layer {lo}) to "
+        f"{pct(fp8[hi], 1)}\n(layer {hi}); bf16 against bf16 from {pct(min(bf), 1)} to {pct(max(bf), 1)}. Even bf16 "
+        "against bf16 is not zero: the rollout\ndecodes one token a step from a KV cache, the trainer prefills "
+        f"{settings['prompt'] + settings['tokens']} tokens at once, and the two\nround differently. fp8 weights "
+        "dominate everything else: against them the bf16 and fp32 trainers\nlook alike. Over "
+        f"{settings['tokens']}-token sequences the small per-token Δ adds up: fp8's sequence ESS is "
+        f"{cells[('fp8', 'bf16')]['sequence_ess']:.2f}\nwhere its token ESS is {cells[('fp8', 'bf16')]['token_ess']:.3f}. "
+        f"The rollouts took {meta['rollout_bf16_s']:.0f} s (bf16) and {meta['rollout_fp8_s']:.0f} s (fp8) for "
+        f"{n(cells[('bf16', 'bf16')]['tokens'])} tokens —\neach step samples {settings['n']} rows of "
+        f"{n(settings['vocab'])} logits on the CPU — and teacher forcing "
+        f"{span(f'{min(trainer_s):.2f}', f'{max(trainer_s):.2f}')} s.\n\nThese are random weights: next-token "
+        f"distributions are nearly uniform (mean entropy {entropy:.2f} nats\nof at most ln {n(settings['vocab'])} = "
+        f"{math.log(settings['vocab']):.2f})"
+    )
+
+
+# ---- agent collection, python_eval, CLI start-up, dense_summary ----------------------------------
+
+AGENT = "benchmarks/results/agent_collect.json"
+PYEVAL = "benchmarks/results/python_eval_cost.json"
+CLI = "benchmarks/results/cli_startup.json"
+DENSE = "benchmarks/results/dense_summary.json"
+
+
+@block("agent-provenance")
+def _():
+    return provenance(AGENT, load(AGENT))
+
+
+@block("agent-table")
+def _():
+    out = [[str(r["concurrency"]), str(r["runs"]), str(r["turns"]), n(r["tokens"]), f"{r['seconds']:.1f}",
+            f"{r['runs_per_s']:.2f}", n(r["tokens_per_s"]), bold(times(r["speedup"]), r["concurrency"] > 1),
+            f"{r['pass_rate']:.2f}"] for r in load(AGENT)["rows"]]
+    return table(["concurrency", "runs", "turns", "tokens", "seconds", "runs/s", "tokens/s", "vs baseline", "pass rate"],
+                 list("r" * 9), out)
+
+
+@block("agent-prose")
+def _():
+    rows = load(AGENT)["rows"]
+    tokens = {r["tokens"] for r in rows}
+    rates = {round(r["pass_rate"], 4) for r in rows}
+    same = len(tokens) == 1 and len(rates) == 1
+    sandbox = next(r for r in load(PYEVAL)["rows"] if r.get("isolation") == "bubblewrap (default)" and r["task_dir"] == "empty")
+    return (
+        (f"The three runs sample exactly the same tokens ({n(tokens.pop())}) and score the same pass rate: "
+         if same else "The runs differ in the tokens they sample: ")
+        + "each (task,\nsample, turn) has its own seed and the engine's per-sequence generator does not depend on "
+        "what it\nis batched with, so concurrency changes the speed, not the data. Tools cost little beside the\n"
+        f"model: python_eval, the dearest, takes {sandbox['ms']:.1f} ms a call (a fresh sandboxed interpreter; next "
+        "section)."
+    )
+
+
+def _pyeval() -> tuple[dict[tuple[str, str], float], dict[str, float]]:
+    calls, reads = {}, {}
+    for r in load(PYEVAL)["rows"]:
+        if "isolation" in r:
+            calls[(r["isolation"], r["task_dir"])] = r["ms"]
+        else:
+            reads[r["read_file"]] = r["us"]
+    return calls, reads
+
+
+@block("pyeval-provenance")
+def _():
+    return provenance(PYEVAL, load(PYEVAL))
+
+
+@block("pyeval-table")
+def _():
+    calls, _ = _pyeval()
+    bare = calls[("baseline: bare subprocess", "empty")]
+    new, old = "bubblewrap (default)", "unsafe-audit-hook-only (before)"
+    out = [["bare interpreter (baseline)", "", f"{bare:.1f}", times(1), ""]]
+    for label, key in (("bubblewrap sandbox (default)", new), ("audit hook + unshare (before)", old)):
+        for task_dir, words in (("empty", "empty"), ("world", "the world's files")):
+            ms = calls[(key, task_dir)]
+            vs_old = ms / calls[(old, task_dir)]
+            out.append([label, words, f"{ms:.1f}", times(ms / bare), bold(times(vs_old), vs_old < 0.9)])
+    return table(["isolation", "task directory", "ms per call", "× bare interpreter", "× the mode it replaced"],
+                 list("llrrr"), out)
+
+
+@block("pyeval-prose")
+def _():
+    calls, reads = _pyeval()
+    new, old = "bubblewrap (default)", "unsafe-audit-hook-only (before)"
+    more = calls[(new, "empty")] - calls[(old, "empty")]
+    saved = calls[(old, "world")] - calls[(new, "world")]
+    return (
+        f"read_file: {reads['openat2']:.0f} µs with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` against "
+        f"{reads['path checks (before)']:.0f} µs with the\nearlier resolve-then-check-then-open "
+        f"({times(reads['openat2'] / reads['path checks (before)'])}). The sandbox costs {more:.1f} ms more on an "
+        f"empty task and\n{'saves' if saved > 0 else 'costs'} {abs(saved):.1f} ms on a task with files (nothing is "
+        "copied to disk); both are small beside a model turn."
+    )
+
+
+@block("cli-provenance")
+def _():
+    return provenance(CLI, load(CLI))
+
+
+@block("cli-table")
+def _():
+    medians = {r["case"]: r["median_s"] for r in load(CLI)["rows"]}
+    base = medians["baseline: import torch"]
+    labels = {
+        "baseline: import torch": "baseline: `import torch`",
+        "rollmarket --help": "`rollmarket --help` (lists commands from a table, imports none)",
+        "serve-model, taken port": "`rollmarket serve-model models/tiny-moe --port TAKEN` (the one-line error; no model loaded)",
+        "exchange serve, healthy": "`rollmarket exchange serve` to its first 200 on `/healthz` (torch never loaded)",
+    }
+    out = [[labels[case], f"{s:.3f}", bold(times(s / base), case == "rollmarket --help")] for case, s in medians.items()]
+    return table(["case", "median s", "× import torch"], list("lrr"), out)
+
+
+@block("dense-provenance")
+def _():
+    return provenance(DENSE, load(DENSE))
+
+
+@block("dense-table")
+def _():
+    out = [[n(r["tokens"]), f"{r['tokens_per_s'] / 1e6:.1f}M", f"{r['naive_tokens_per_s'] / 1e6:.1f}M",
+            bold(times(r["speedup"], 1))] for r in load(DENSE)["rows"]]
+    return table(["tokens", "dense_summary tok/s", "naive tok/s", "speed vs naive"], list("rrrr"), out)
+
+
+@block("dense-prose")
+def _():
+    rows = load(DENSE)["rows"]
+    rates = [r["tokens_per_s"] / 20e6 for r in rows]
+    return (
+        f"Both agree to a relative {sci(max(r['max_relative_difference'] for r in rows))} on every statistic. "
+        f"The issue's target is 20M tokens/s on one core: the\nlibrary does {span(times(min(rates), 1), times(max(rates), 1))} "
+        "that. The naive column is the one most hurt by other load on the shared box (it\nstreams float64 "
+        "temporaries through memory)."
+    )
+
+
+# ---- observatory --------------------------------------------------------------------------------
+
+OBS = "benchmarks/results/observatory-tiny-moe-h200.json"
+
+
+@block("obs-provenance")
+def _():
+    return provenance(OBS, load(OBS))
+
+
+@block("obs-matrix")
+def _():
+    data = load(OBS)
+    cells = {(c["rollout_engine"], c["trainer_engine"]): c for c in data["cells"]}
+    out = []
+    for rollout in data["rollout_engines"]:
+        row = [rollout]
+        for trainer in data["trainer_engines"]:
+            e = cells[(rollout, trainer)]["token_ess"]
+            row.append(f"{e['mean']:.4f} [{e['lo']:.4f}, {e['hi']:.4f}]")
+        row += [pct(cells[(rollout, t)]["router_flip_rate"]["mean"], 2) for t in ("fp32", "bf16")]
+        out.append(row)
+    return table(["rollout ↓ trainer →", *data["trainer_engines"], "flip vs fp32", "flip vs bf16"],
+                 ["l"] + ["r"] * (len(data["trainer_engines"]) + 2), out)
+
+
+def _lengths() -> dict[tuple[str, int], dict]:
+    return {(r["rollout_engine"], r["max_tokens"]): r for r in load(OBS)["length_scaling"] if r["trainer_engine"] == "fp32"}
+
+
+@block("obs-lengths")
+def _():
+    rows = _lengths()
+    lengths = sorted({k[1] for k in rows})
+    out = []
+    for rollout in ("fp32", "fp16", "bf16", "fp8"):
+        out.append([rollout] + [f"{rows[(rollout, t)]['token_ess']['mean']:.4f}" for t in lengths]
+                   + [sci(rows[(rollout, t)]["mean_abs_delta"]["mean"]) for t in lengths])
+    return table(["rollout", *(f"ESS @{t}" for t in lengths), *(f"mean \\|Δ\\| @{t}" for t in lengths)],
+                 ["l"] + ["r"] * 2 * len(lengths), out)
+
+
+@block("obs-prose")
+def _():
+    data = load(OBS)
+    rows, cells = _lengths(), {(c["rollout_engine"], c["trainer_engine"]): c for c in data["cells"]}
+    lengths = sorted({k[1] for k in rows})
+    same = all(cells[(r, "fsdp-bf16")]["token_ess"]["mean"] == cells[(r, "bf16")]["token_ess"]["mean"]
+               for r in data["rollout_engines"])
+    split = [d for d in data["divergence"] if d["split_turn"] is not None]
+    kinds = sorted({d["kind"] for d in split})
+    return (
+        "What it shows: FSDP2-bf16 scores "
+        + ("exactly as the single-process bf16 trainer does" if same else "differently from the single-process bf16 trainer")
+        + ". Agent turns are\nshort and confident, so the matrix over agent runs stays green. Long free-running "
+        "responses are\nnot: mismatch grows with length (mean |Δ| for fp8 from "
+        f"{rows[('fp8', lengths[0])]['mean_abs_delta']['mean']:.3f} to {rows[('fp8', lengths[-1])]['mean_abs_delta']['mean']:.3f}), "
+        f"and fp8's token ESS\nfalls from {rows[('fp8', lengths[0])]['token_ess']['mean']:.2f} to "
+        f"{rows[('fp8', lengths[-1])]['token_ess']['mean']:.2f}. {len(split)} of {len(data['divergence'])} agent runs "
+        f"split from their fp32 twin{', all on answer ' + kinds[0] if len(kinds) == 1 else ''}."
+    )
+
+
+# ---- training and experiments -------------------------------------------------------------------
+
+EXP_A = "experiments/results/exp-a"
+
+
+@cache
+def exp_a() -> dict:
+    """Experiment (a): its manifest.json (command, machine, date, what was not kept) and one record per seed."""
+    root = ROOT / EXP_A
+    seeds = sorted(root.glob("seed*.json"), key=lambda p: int(p.stem.removeprefix("seed")))
+    return {"manifest": load(f"{EXP_A}/manifest.json"),
+            "seeds": [load(str(p.relative_to(ROOT))) for p in seeds]}
+
+
+@block("training-speed")
+def _():
+    a = exp_a()
+    minutes = [s["minutes"] for s in a["seeds"]]
+    steps = [s["steps"] / s["minutes"] for s in a["seeds"]]
+    m = a["manifest"]
+    return (
+        f"Experiment (a)'s {len(minutes)} runs took {span(f'{min(minutes):.1f}', f'{max(minutes):.1f}')} min each as their "
+        f"reports record them,\n{span(f'{min(steps):.0f}', f'{max(steps):.0f}')} steps per minute per run, with two runs "
+        f"sharing the box. Raw results: `{EXP_A}/`. Machine: {m['machine']}.\nDate: {m['date']}."
+    )
+
+
+def t95(values: list[float]) -> tuple[float, float, float]:
+    """Mean and the two-sided 95% Student-t interval (table values for the small n used here)."""
+    quantiles = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+    mean = statistics.mean(values)
+    half = quantiles[len(values)] * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+@block("exp-a-provenance")
+def _():
+    m = exp_a()["manifest"]
+    return f"Raw results: `{EXP_A}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}."
+
+
+@block("exp-a-seeds")
+def _():
+    out = []
+    for s in exp_a()["seeds"]:
+        g, p, c = s["greedy"], s["pass@1"], s["train_correct_rate_first5_last5"]
+        out.append([str(s["seed"]), f"{g[0]:.3f} → {g[1]:.3f}", f"{p[0]:.3f} → {p[1]:.3f}", f"{c[0]:.3f} → {c[1]:.3f}"])
+    return table(["seed", "greedy accuracy before → after", "sampled pass@1 (T=1.5) before → after",
+                  "train correct_rate, first 5 → last 5 steps"], list("llll"), out)
+
+
+@block("exp-a-gains")
+def _():
+    seeds = exp_a()["seeds"]
+    out = []
+    for key, label in (("pass@1", "sampled pass@1"), ("greedy", "greedy accuracy")):
+        mean, lo, hi = t95([s[key][1] - s[key][0] for s in seeds])
+        out.append([label, f"{signed(mean)} [{signed(lo)}, {signed(hi)}]"])
+    return table(["gain", f"mean [95% t interval, {len(seeds)} seeds]"], list("ll"), out)
+
+
+@block("exp-a-prose")
+def _():
+    seeds = exp_a()["seeds"]
+    rises = sum(s["pass@1"][1] > s["pass@1"][0] for s in seeds)
+    _, lo_p, _ = t95([s["pass@1"][1] - s["pass@1"][0] for s in seeds])
+    _, lo_g, hi_g = t95([s["greedy"][1] - s["greedy"][0] for s in seeds])
+    rose = sum(s["train_correct_rate_first5_last5"][1] > s["train_correct_rate_first5_last5"][0] for s in seeds)
+    before = {s["greedy"][0] for s in seeds}
+    return (
+        f"What the data shows: held-out sampled pass@1 rises in {rises} of {len(seeds)} seeds; its 95% t interval over "
+        f"the\n{len(seeds)} seeds {'excludes' if lo_p > 0 else 'includes'} zero. The greedy accuracy's interval "
+        f"{'includes' if lo_g <= 0 <= hi_g else 'excludes'} zero: RL here sharpens the\nsampling distribution "
+        "(fewer slips at temperature 1.5) more than it changes the model's single most\nlikely answer"
+        + (f", which at {before.pop():.2f} before training leaves little room on the held-out tasks" if len(before) == 1 else "")
+        + f". The\ntraining correct rate is noisy step to step and its first-vs-last-5-step means rose in {rose} of "
+        f"{len(seeds)}\nseeds. With {len(seeds)} seeds and no per-task results kept, this is a small, suggestive "
+        "result, not a\nverdict: the seed-level test it rests on has little power, and the per-task (seed × task) "
+        "bootstrap\nthe first report quoted cannot be recomputed from what was committed (below)."
+    )
+
+
+# ---- the two commands ---------------------------------------------------------------------------
+
+def render(text: str) -> str:
+    """TEXT with every generated block rewritten from the raw results."""
+    def replace(match: re.Match) -> str:
+        name = match["name"]
+        if name not in BLOCKS:
+            raise RenderError(f"no renderer for block {name!r}")
+        return f"<!-- generated: {name} -->\n{BLOCKS[name]().rstrip()}\n<!-- /generated -->"
+    return BLOCK_RE.sub(replace, text)
+
+
+def block_names(text: str) -> list[str]:
+    return [m["name"] for m in BLOCK_RE.finditer(text)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a doc differs from its results")
+    args = parser.parse_args(argv)
+    stale, used = [], set()
+    for doc in DOCS:
+        path = ROOT / doc
+        text = path.read_text()
+        used.update(block_names(text))
+        fresh = render(text)
+        if fresh != text:
+            if args.check:
+                changed = [a["name"] for a, b in zip(BLOCK_RE.finditer(text), BLOCK_RE.finditer(fresh)) if a[0] != b[0]]
+                stale.append(f"{doc}: {', '.join(changed)}")
+            else:
+                path.write_text(fresh)
+                print(f"rewrote {doc}")
+    unused = sorted(set(BLOCKS) - used)
+    if unused:
+        stale.append(f"renderers no doc uses: {', '.join(unused)}")
+    if stale:
+        print("docs differ from their raw results (run `python docs/render.py`):\n  " + "\n  ".join(stale),
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

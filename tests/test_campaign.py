@@ -69,7 +69,7 @@ CAMPAIGN = TINY + textwrap.dedent("""
     optim.lr = 1e-4
 
     [stats]
-    metrics = ["eval/pass@1"]
+    metrics = ["eval/pass@1@final"]
     baseline = "grpo"
     """)
 
@@ -201,7 +201,7 @@ def test_a_campaign_killed_with_sigkill_resumes(tmp_path):
 
     manifest = json.loads((out / "campaign.json").read_text())
     assert manifest["name"] == "tiny" and manifest["seeds"] == [1, 2] and manifest["seed_mode"] == "sampling"
-    assert manifest["file"] == CAMPAIGN and manifest["stats"] == {"metrics": ["eval/pass@1"], "baseline": "grpo"}
+    assert manifest["file"] == CAMPAIGN and manifest["stats"] == {"metrics": ["eval/pass@1@final"], "baseline": "grpo"}
     assert manifest["conditions"] == [{"name": "grpo", "overrides": {"algorithm.advantage": "grpo"}},
                                       {"name": "rloo", "overrides": {"algorithm.advantage": "rloo", "optim.lr": 1e-4}}]
     assert [(r["condition"], r["seed"], r["status"]) for r in manifest["runs"]] == [

@@ -192,4 +192,4 @@ def test_the_shipped_example_campaign_is_what_the_docs_say(monkeypatch):
     from rollmarket.research.campaign import load_campaign
 
     stats = load_campaign(ROOT / "configs" / "campaign-example.toml").stats
-    assert stats == {"metrics": ["eval/pass@1"], "baseline": "grpo", "equivalence_margin": 0.05, "alpha": 0.05}
+    assert stats == {"metrics": ["eval/pass@1@final"], "baseline": "grpo", "equivalence_margin": 0.05, "alpha": 0.05}

@@ -274,3 +274,34 @@ def test_a_rerun_refuses_another_campaign_changed_settings_and_a_second_process(
         with pytest.raises(CampaignError, match="another process is running"):
             CampaignRunner(plan, out).run()
     assert not (out / "runs" / "grpo__s1" / "train.log").exists()
+
+
+def test_a_failed_run_fails_the_campaign_and_not_the_other_runs(tmp_path, monkeypatch):
+    """A run that dies (here its own fail point: SIGKILL at its first fetch) is marked failed, the other
+    run goes on to the end, and the campaign ends with CampaignFailed naming the run and its log."""
+    from rollmarket.research.campaign import CampaignFailed, CampaignRunner
+
+    text = CAMPAIGN.replace("steps = 3", "steps = 1").replace("tasks = 2", "tasks = 0")
+    text = text.replace("seeds = [1, 2]", "seeds = [1]")
+    plan = parse_campaign(text, source="c.toml", overrides=["loop.fetch_timeout_s=300"])
+    out = tmp_path / "campaign"
+    # Children inherit the environment: the fail point is armed for the rloo run only.
+    monkeypatch.setenv("ROLLMARKET_FAILPOINTS", "before_fetch@1")
+    runner = CampaignRunner(plan, out, parallel=2)
+    original = runner._start
+
+    def start(run, status):
+        if run.condition == "grpo":
+            monkeypatch.delenv("ROLLMARKET_FAILPOINTS")
+            try:
+                return original(run, status)
+            finally:
+                monkeypatch.setenv("ROLLMARKET_FAILPOINTS", "before_fetch@1")
+        return original(run, status)
+
+    runner._start = start
+    with pytest.raises(CampaignFailed, match=r"1 of 2 runs failed: rloo__s1 \(exit -9, log .*train.log\)"):
+        runner.run()
+    manifest = json.loads((out / "campaign.json").read_text())
+    assert [(r["condition"], r["status"]) for r in manifest["runs"]] == [("grpo", "done"), ("rloo", "failed")]
+    assert (out / manifest["runs"][0]["dir"] / "summary.json").exists()

@@ -2,7 +2,7 @@
 
 The real campaign test runs a tiny 2-condition × 2-seed campaign (three steps, two groups of two,
 two held-out tasks) as a `rollmarket campaign` process, kills it with SIGKILL once one run has
-finished and another is part-way, checks that its runs died with it, runs the same command again,
+finished and another is part-way, checks that its runs died with it, resumes it (`--resume DIR`),
 and judges from the files: finished runs untouched, the part-way run continued in its own run
 directory (`--resume`, its earlier rows kept, every step once), the others finished; every metrics
 row labelled with its condition and seed; with seed_mode = "sampling", every seed's jobs carry the
@@ -196,7 +196,9 @@ def test_a_campaign_killed_with_sigkill_resumes(tmp_path):
     wait_until("the killed campaign's runs to die", lambda: not _processes_mentioning(str(out)), timeout=60)
     runs_before = _run_dirs(out)
 
-    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    # The campaign's file and overrides come back from its campaign.json.
+    again = subprocess.run([sys.executable, "-m", "rollmarket", "campaign", "--resume", str(out)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
 
     manifest = json.loads((out / "campaign.json").read_text())

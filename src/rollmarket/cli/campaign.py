@@ -40,15 +40,20 @@ def run_live(runner, console: Console, title: str) -> None:
 
 
 @click.command("campaign")
-@click.argument("campaign_file", metavar="CAMPAIGN.toml", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("campaign_file", metavar="[CAMPAIGN.toml]", required=False,
+                type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("overrides", nargs=-1)
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Campaign directory (default runs/campaign-<UTC stamp>-<id>/). An earlier campaign's "
                    "directory resumes it: finished runs are skipped, unfinished ones resumed.")
+@click.option("--resume", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Resume the campaign in this directory with the file and overrides it was started with "
+                   "(from its campaign.json), from the directory it was started in.")
 @click.option("--parallel", type=click.IntRange(min=1), default=None,
               help="Runs at once (default: [campaign] parallel, else the machine's cores); each run uses one "
                    "torch thread.")
-def campaign(campaign_file: Path, overrides: tuple[str, ...], out: Path | None, parallel: int | None) -> None:
+def campaign(campaign_file: Path | None, overrides: tuple[str, ...], out: Path | None, resume: Path | None,
+             parallel: int | None) -> None:
     """Run conditions × seeds from one TOML file, each run a `rollmarket train --local` process.
 
     The file is a train config (its sections apply to every run) plus [campaign] (name, seeds,
@@ -59,13 +64,25 @@ def campaign(campaign_file: Path, overrides: tuple[str, ...], out: Path | None, 
     \b
       rollmarket campaign configs/campaign-example.toml
       rollmarket campaign configs/campaign-example.toml loop.steps=2 --parallel 2
-      rollmarket campaign configs/campaign-example.toml --out runs/campaign-20261126T160000Z-ab12cd  # resume
+      rollmarket campaign --resume runs/campaign-20261126T160000Z-ab12cd     # after a crash or kill
     """
-    from ..research.campaign import CampaignRunner, load_campaign, new_campaign_dir_name
+    from ..research.campaign import CampaignRunner, load_campaign, new_campaign_dir_name, parse_campaign, read_manifest
 
-    plan = load_campaign(campaign_file, list(overrides))  # every run resolved and validated: nothing made yet
-    out = out or Path(plan.runs[0].config.runs_root) / new_campaign_dir_name()
+    if resume is not None:
+        if campaign_file is not None or overrides or out is not None:
+            raise click.UsageError("--resume DIR takes the campaign file and overrides from DIR/campaign.json; "
+                                   "pass no CAMPAIGN.toml, KEY=VALUE or --out with it")
+        manifest = read_manifest(resume)
+        plan = parse_campaign(manifest["file"], source=manifest.get("source", str(resume)),
+                              overrides=manifest.get("overrides", []))
+        out = resume
+    elif campaign_file is None:
+        raise click.UsageError("pass CAMPAIGN.toml (e.g. configs/campaign-example.toml) or --resume DIR")
+    else:
+        plan = load_campaign(campaign_file, list(overrides))  # every run resolved and validated: nothing made yet
+        out = out or Path(plan.runs[0].config.runs_root) / new_campaign_dir_name()
     runner = CampaignRunner(plan, out, parallel=parallel)
+    runner.check()  # another campaign in --out, or changed settings: refused before the live view
     console.print(f"[bold]rollmarket campaign[/] {plan.name}: {len(plan.conditions)} conditions × "
                   f"{len(plan.seeds)} seeds = {len(plan.runs)} runs, {runner.parallel} at once → {out}",
                   highlight=False)

@@ -372,8 +372,11 @@ class CampaignRunner:
 
     # -- the directory ------------------------------------------------------------------------------
 
-    def _check_directory(self) -> None:
-        """Refuse a directory that holds another campaign, or runs whose saved settings differ from this plan."""
+    def check(self) -> None:
+        """Refuse a directory that holds another campaign, or runs whose saved settings differ from this
+        plan (CampaignError); `run` checks it too, this is for callers that want to know before."""
+        from ..train.config import TrainConfigError, resolve
+
         manifest = self.out / MANIFEST
         if self.out.exists() and not manifest.exists() and any(self.out.iterdir()):
             raise CampaignError(f"{self.out} exists and is not a campaign directory (no {MANIFEST})",
@@ -390,7 +393,11 @@ class CampaignRunner:
             run_dir = run_dir_of(self.out / "runs" / run.key)
             if run_dir is None:
                 continue
-            stored = json.loads((run_dir / "config.json").read_text()).get("config", {})
+            saved = json.loads((run_dir / "config.json").read_text()).get("config", {})
+            try:  # as `rollmarket train --resume` reads it: keys added since take their defaults
+                stored = resolve(None, [], base=saved).model_dump(mode="json")
+            except TrainConfigError as exc:
+                raise CampaignError(f"{run_dir}: its saved settings no longer resolve ({exc})") from None
             differ = _config_differences(stored, run.config.model_dump(mode="json"))
             if differ:
                 raise CampaignError(f"{run_dir} was started with other settings than this campaign gives it "
@@ -445,7 +452,7 @@ class CampaignRunner:
 
         Raises CampaignError for a directory that cannot take this campaign and CampaignFailed when
         some runs failed (the others ran to the end)."""
-        self._check_directory()
+        self.check()
         self.out.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
@@ -464,6 +471,7 @@ class CampaignRunner:
             else:
                 queue.append((run, status))
         self._write_manifest()
+        self.on_update(self.statuses)
         running: dict[str, tuple[subprocess.Popen, RunStatus]] = {}
         try:
             while queue or running:

@@ -1,54 +1,37 @@
-"""Shared by the experiment scripts: run `rollmarket train --local` runs side by side, read them back."""
+"""Shared by the experiment scripts: run conditions × seeds as a campaign, read the runs back."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_all(jobs: dict[str, list[str]], out: Path, *, parallel: int, config: Path, console: Console) -> dict[str, Path]:
-    """Run each named list of overrides as `rollmarket train CONFIG --local`; skip names already done.
+def run_campaign(name: str, config: Path, conditions: dict[str, dict], seeds: list[int], out: Path, *,
+                 overrides: list[str], parallel: int, console: Console) -> dict[tuple[str, int], Path]:
+    """Run conditions × seeds over CONFIG as a campaign (rollmarket.research.campaign) in `out`;
+    (condition, seed) → run directory. Running it again resumes it (finished runs are skipped).
 
-    Each run goes under out/<name>/ (its only run directory); the log goes to out/<name>.log.
+    The campaign file it amounts to is kept in out/campaign.json, so `rollmarket campaign` can rerun it.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    from rollmarket.cli.campaign import run_live
+    from rollmarket.research.campaign import CampaignRunner, campaign_toml, parse_campaign
 
-    def one(name: str) -> Path:
-        root = out / name
-        done = [p for p in root.glob("*/summary.json")]
-        if done:
-            return done[0].parent
-        for partial in root.glob("*"):  # an interrupted run is started over
-            subprocess.run(["rm", "-rf", str(partial)], check=True)
-        cmd = [sys.executable, "-m", "rollmarket", "train", str(config), "--local", *jobs[name],
-               f"runs_root={json.dumps(str(root))}"]
-        with open(out / f"{name}.log", "w") as log:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-        if code:
-            raise RuntimeError(f"{name} failed ({code}); see {out / (name + '.log')}")
-        return next(root.glob("*/summary.json")).parent
-
+    out, config = out.resolve(), config.resolve()
+    os.chdir(ROOT)  # the configs' relative paths (model.path) are the repository's, wherever the script starts
+    text = campaign_toml(config, name=name, seeds=seeds, conditions=conditions, seed_mode="all")
+    plan = parse_campaign(text, source=str(config), overrides=overrides)
+    runner = CampaignRunner(plan, out, parallel=parallel)
     started = time.monotonic()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress, ThreadPoolExecutor(parallel) as pool:
-        bar = progress.add_task("training runs", total=len(jobs))
-        futures = {name: pool.submit(one, name) for name in jobs}
-        result = {}
-        for name, future in futures.items():
-            result[name] = future.result()
-            progress.advance(bar)
-    console.print(f"{len(jobs)} runs in {(time.monotonic() - started) / 60:.1f} min")
-    return result
+    run_live(runner, console, f"{name}: {len(plan.runs)} runs, {runner.parallel} at once")
+    console.print(f"{len(plan.runs)} runs in {(time.monotonic() - started) / 60:.1f} min")
+    return {(s.condition, s.seed): s.run_dir for s in runner.statuses}
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -2,7 +2,7 @@
 
     python experiments/accuracy_rises.py --seeds 3 --out runs/exp-a [KEY=VALUE ...]
 
-Each seed is one `rollmarket train CONFIG --local` run (the exchange, real workers, the gate, the
+Each seed is one `rollmarket train CONFIG --local` run of a one-condition campaign (seed_mode "all") (the exchange, real workers, the gate, the
 trainer; config configs/exp-a.toml unless --config). Held-out accuracy is measured before the first
 step and after the last on the same tasks with the same sampling seeds: greedy accuracy and the
 sampled pass@1 (the mean over `eval.samples` runs per task at `eval.temperature`). Intervals: a t
@@ -20,7 +20,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from _runs import ROOT, evals, metrics, run_all
+from _runs import ROOT, evals, metrics, run_campaign
 from rollmarket.train.stats import paired_difference, t_interval
 
 
@@ -43,8 +43,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for every run.")
     args = parser.parse_args()
     console = Console()
-    jobs = {f"seed{s}": [f"rollout.seed={s}", f"seed={s}", *args.overrides] for s in range(args.seeds)}
-    runs = run_all(jobs, args.out, parallel=args.parallel, config=args.config, console=console)
+    campaign = run_campaign("exp-a", args.config, {"train": {}}, list(range(args.seeds)), args.out,
+                            overrides=args.overrides, parallel=args.parallel, console=console)
+    runs = {f"seed{seed}": run_dir for (_, seed), run_dir in campaign.items()}
 
     table = Table(title="held-out accuracy before → after training, per seed")
     for column in ("seed", "steps", "minutes", "greedy", "sampled pass@1", "train correct_rate first→last 5 steps"):

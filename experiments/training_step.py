@@ -28,7 +28,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from _runs import ROOT, flat_weights, metrics, run_all
+from _runs import ROOT, flat_weights, metrics, run_campaign
 from rollmarket.train.stats import cosine, relative_norm_difference, t_interval
 
 CONDITIONS = [("bf16", "never"), ("bf16", "always"), ("fp8", "never"), ("fp8", "always")]
@@ -53,13 +53,13 @@ def main() -> None:
     args = parser.parse_args()
     console = Console()
     N = args.steps
-    jobs = {}
-    for (precision, correction), seed in itertools.product(CONDITIONS, range(args.seeds)):
-        jobs[name(precision, correction, seed)] = [
-            f"rollout.precisions=['{precision}']", f"local.workers=['{precision}']", f"correction.when={correction}",
-            "correction.kind=token_tis", f"rollout.seed={seed}", f"seed={seed}", f"loop.steps={N}",
-            f"loop.keep_checkpoints={N + 1}", f"eval.every={N}", *args.overrides]
-    runs = run_all(jobs, args.out, parallel=args.parallel, config=args.config, console=console)
+    conditions = {f"{precision}-is_{correction}": {
+        "rollout.precisions": [precision], "local.workers": [precision], "correction.when": correction,
+        "correction.kind": "token_tis"} for precision, correction in CONDITIONS}
+    campaign = run_campaign("exp-b", args.config, conditions, list(range(args.seeds)), args.out,
+                            overrides=[f"loop.steps={N}", f"loop.keep_checkpoints={N + 1}", f"eval.every={N}",
+                                       *args.overrides], parallel=args.parallel, console=console)
+    runs = {f"{condition}-seed{seed}": run_dir for (condition, seed), run_dir in campaign.items()}
     model = json.loads((next(iter(runs.values())) / "config.json").read_text())["config"]["model"]["path"]
     theta0 = flat_weights(Path(model) if Path(model).is_absolute() else ROOT / model)
     delta = {(k, step): flat_weights(run / "checkpoints" / f"v{step:04d}") - theta0

@@ -35,6 +35,8 @@ class LazyCommand:
 
 
 COMMANDS: dict[str, LazyCommand] = {
+    "campaign": LazyCommand("rollmarket.cli.campaign", "campaign",
+                            "Run conditions × seeds from one TOML file, each run a `rollmarket train --local` process."),
     "captures": LazyCommand("rollmarket.cli.proxy", "captures", "Read what a capture proxy recorded."),
     "collect": LazyCommand("rollmarket.cli.agents", "collect_command",
                            "Run every task K times against a model server and write one AgentTrajectory per line."),
@@ -47,7 +49,12 @@ COMMANDS: dict[str, LazyCommand] = {
                         "Run the main job: train the tiny MoE for a few steps through a real exchange with real "
                         "workers at two precisions, showing the gate's decisions and the mismatch per step, and "
                         "end with the observatory matrix."),
+    "diff": LazyCommand("rollmarket.cli.diff", "diff",
+                        "Two training runs side by side: the settings that differ and their headline metrics."),
     "exchange": LazyCommand("rollmarket.cli.exchange", "exchange", "Run and inspect a rollout exchange."),
+    "explain": LazyCommand("rollmarket.cli.explain", "explain",
+                           "A dry run of a train config or campaign file: what would run, jobs, tokens, evaluation "
+                           "cost and an estimate of time."),
     "models": LazyCommand("rollmarket.cli.models", "models",
                           "Build and inspect the tiny shipped models (tiny-dense, tiny-moe)."),
     "observe": LazyCommand("rollmarket.cli.observe", "observe",

@@ -11,6 +11,7 @@ directory is made.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import os
@@ -58,7 +59,15 @@ class RolloutSection(_Section):
         default_factory=lambda: ["bf16", "fp8"],
         description="Rollout precisions the jobs ask for, round robin over a step's jobs "
                     "(each needs a worker that offers it).")
-    seed: int = Field(0, description="Task order and sampling seeds.")
+    seed: int = Field(0, description="Task-order seed: which training tasks each step's jobs carry, in which order.")
+    sampling_seed: int | None = Field(
+        None, description="Sampling seed of the rollout jobs and of the held-out pass@k samples; None: the same "
+                          "as rollout.seed. Vary it alone for \"same tasks, new samples\" replicates.")
+
+    @property
+    def sampling(self) -> int:
+        """The sampling seed in effect (rollout.sampling_seed, else rollout.seed)."""
+        return self.seed if self.sampling_seed is None else self.sampling_seed
 
 
 class AlgorithmSection(_Section):
@@ -155,6 +164,15 @@ class LoggingSection(_Section):
     generations_every: int = Field(1, ge=0, description="Write generations.jsonl rows every N steps; 0: never.")
 
 
+class LabelsSection(_Section):
+    condition: str | None = Field(
+        None, max_length=128, description="Label written into every metrics row and the summary (`rollmarket "
+                                          "campaign` sets it to the run's condition).")
+    seed: int | None = Field(
+        None, description="Label written into every metrics row and the summary (`rollmarket campaign` sets it "
+                          "to the run's campaign seed).")
+
+
 class TrainConfig(_Section):
     """Everything `rollmarket train` does. Defaults give a quick CPU run on the tiny MoE model."""
 
@@ -172,6 +190,7 @@ class TrainConfig(_Section):
     local: LocalSection = LocalSection()
     exchange: ExchangeSection = ExchangeSection()
     logging: LoggingSection = LoggingSection()
+    labels: LabelsSection = LabelsSection()
     runs_root: str = Field("runs", description="Run directories go under here.")
     seed: int = Field(0, description="torch seed of the trainer (init of LoRA adapters, dropout).")
 
@@ -287,7 +306,7 @@ def resolve(path: Path | str | None, overrides: list[str] = (), base: dict | Non
 
     An unknown key (in the file or an override) raises TrainConfigError naming the closest known
     key; a bad value names the key, the value and the type it should have."""
-    data: dict = dict(base or {})
+    data: dict = copy.deepcopy(base) if base else {}  # overrides write into nested sections
     if base is None and path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())
@@ -297,8 +316,8 @@ def resolve(path: Path | str | None, overrides: list[str] = (), base: dict | Non
                                        "overrides") from None
         except tomllib.TOMLDecodeError as exc:
             raise TrainConfigError(f"{path} is not valid TOML: {exc}") from None
-        for key in _unknown_keys(data):
-            raise _unknown_key_error(key, f" in {path}")
+    for key in _unknown_keys(data):
+        raise _unknown_key_error(key, f" in {path}" if path is not None else " in the saved config")
     for text in overrides:
         keys, value = parse_override(text)
         _check_override_key(keys, text)

@@ -299,7 +299,7 @@ class Trainer:
         for i in range(r.groups_per_step):
             task = self.train_tasks[((step - 1) * r.groups_per_step + i) % len(self.train_tasks)]
             precision = r.precisions[i % len(r.precisions)]
-            seed = int(hashlib.sha256(f"{r.seed}:{step}:{i}".encode()).hexdigest()[:8], 16)
+            seed = int(hashlib.sha256(f"{r.sampling}:{step}:{i}".encode()).hexdigest()[:8], 16)
             key = f"{self.run_id}-s{step:05d}-{i:03d}"
             jobs.append(RolloutJob(
                 job_id=key, idempotency_key=key, task=task, policy_version=version, group_size=r.group_size,
@@ -533,6 +533,7 @@ class Trainer:
             "run_dir": str(run_dir), "steps": cfg.loop.steps, "final_version": version,
             "eval_before": self.history.get("before"), "eval_after": self.history.get("last"),
             "minutes": round(minutes, 2), "running_correct_rate": solved / seen if seen else None,
+            **self._labels(),
         }
         write_json(run_dir / "summary.json", summary)
         return run_dir
@@ -566,7 +567,7 @@ class Trainer:
         e = self.config.eval
         metrics, per_task = evaluate_policy(
             self.learner, self.eval_tasks, samples=e.samples, temperature=e.temperature,
-            max_tokens=self.config.rollout.max_tokens, max_turns=e.max_turns, seed=self.config.rollout.seed)
+            max_tokens=self.config.rollout.max_tokens, max_turns=e.max_turns, seed=self.config.rollout.sampling)
         _append_jsonl(self.run_dir / "evals.jsonl", [{"step": step, **row} for row in per_task])  # paired statistics
         return metrics
 
@@ -617,11 +618,17 @@ class Trainer:
             stack.callback(tracker.close)
         return trackers
 
+    def _labels(self) -> dict:
+        """`condition` and `seed` (labels.*, None outside a campaign): every metrics row and the summary carry them."""
+        return self.config.labels.model_dump()
+
     def _write(self, row: dict, generations: list[dict]) -> None:
         """A step's rows: generations first, the metrics row last (it marks the step as written)."""
         _append_jsonl(self.run_dir / "generations.jsonl", generations)
-        _append_jsonl(self.run_dir / "metrics.jsonl", [row])
-        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        labels = self._labels()
+        _append_jsonl(self.run_dir / "metrics.jsonl", [{**row, **labels}])
+        numeric = {k: v for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in labels}
         for tracker in self.trackers:
             tracker.log(numeric, step=row["step"])
 

@@ -76,26 +76,30 @@ def main() -> None:
     for column in ("comparison", "cos after 1", "rel. diff after 1", f"cos after {N}", f"rel. diff after {N}"):
         table.add_column(column, justify="right")
     for label, (a, b) in pairs.items():
-        cells = {}
+        cells, raw = {}, {}
         for step in (1, N):
             cos = [cosine(delta[(name(*a, s), step)], delta[(name(*b, s), step)]) for s in range(args.seeds)]
             rel = [relative_norm_difference(delta[(name(*a, s), step)], delta[(name(*b, s), step)])
                    for s in range(args.seeds)]
             cells[step] = (t_interval(cos), t_interval(rel))
-        report["updates"][label] = {str(step): {"cosine": c.model_dump(), "relative_norm_difference": r.model_dump()}
+            raw[step] = {"cosine": cos, "relative_norm_difference": rel}
+        report["updates"][label] = {str(step): {"cosine": c.model_dump(), "relative_norm_difference": r.model_dump(),
+                                                "values": raw[step]}  # per seed (or seed pair): the raw result
                                     for step, (c, r) in cells.items()}
         table.add_row(label, fmt(cells[1][0]), fmt(cells[1][1]), fmt(cells[N][0]), fmt(cells[N][1]))
     # The yardstick: the same condition under two different seeds (different tasks and samples).
     for condition in (("bf16", "never"), ("fp8", "never")):
-        cells = {}
+        cells, raw = {}, {}
         for step in (1, N):
             pairs_s = list(itertools.combinations(range(args.seeds), 2))
             cos = [cosine(delta[(name(*condition, s), step)], delta[(name(*condition, t), step)]) for s, t in pairs_s]
             rel = [relative_norm_difference(delta[(name(*condition, s), step)], delta[(name(*condition, t), step)])
                    for s, t in pairs_s]
             cells[step] = (t_interval(cos), t_interval(rel))
+            raw[step] = {"cosine": cos, "relative_norm_difference": rel}
         label = f"{condition[0]}, seed vs seed (noise)"
-        report["updates"][label] = {str(step): {"cosine": c.model_dump(), "relative_norm_difference": r.model_dump()}
+        report["updates"][label] = {str(step): {"cosine": c.model_dump(), "relative_norm_difference": r.model_dump(),
+                                                "values": raw[step]}  # per seed pair: the raw result
                                     for step, (c, r) in cells.items()}
         table.add_row(label, fmt(cells[1][0]), fmt(cells[1][1]), fmt(cells[N][0]), fmt(cells[N][1]))
     console.print(table)

@@ -578,9 +578,9 @@ class Trainer:
             **reward_tie_stats(g.group_rewards),
             "max_token_hit_rate": g.truncated / max(1, len(rewards)),
             "critic/rewards/mean": _mean(rewards) or 0.0,
-            "critic/advantages/mean": _mean(g.advantages) or 0.0,
-            "critic/advantages/max": max(g.advantages, default=0.0),
-            "critic/advantages/min": min(g.advantages, default=0.0),
+            "critic/advantages/mean": _mean(g.advantages),  # null when no datum: nothing was trained on
+            "critic/advantages/max": max(g.advantages, default=None),
+            "critic/advantages/min": min(g.advantages, default=None),
             "response_length/mean": _mean(g.lengths) or 0.0,
             "response_length/max": max(g.lengths, default=0),
             "response_length/clip_ratio": g.truncated / max(1, len(rewards)),

@@ -8,8 +8,8 @@ off-policy weight w_t (corrections.py; 1 when none is given), the per-token loss
     reinforce  L_t = −sg(w_t) · A_t · lp_t
 
 plus kl_coef · KL_t to a reference policy when one is given (``kl_to_ref``), and the batch loss
-aggregates L_t as ``LossConfig.aggregation`` says (verl's ``loss_agg_mode`` names). ``sg`` is stop-gradient. Sources and metric names:
-docs/training.md, "Algorithms".
+aggregates L_t as ``LossConfig.aggregation`` says (verl's ``loss_agg_mode`` names). ``sg`` is
+stop-gradient. Sources and metric names: docs/training.md, "Algorithms".
 """
 
 from __future__ import annotations

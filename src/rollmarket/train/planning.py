@@ -71,7 +71,8 @@ class PlanningDetector:
     def __post_init__(self) -> None:
         grams = check_grams(self.grams)
         object.__setattr__(self, "grams", grams)
-        object.__setattr__(self, "_patterns", tuple(_phrase_pattern(g) for g in dict.fromkeys(g.lower() for g in grams)))
+        unique = dict.fromkeys(g.lower() for g in grams)  # the patterns ignore case anyway
+        object.__setattr__(self, "_patterns", tuple(_phrase_pattern(g) for g in unique))
 
     def match_spans(self, text: str) -> list[tuple[int, int]]:
         """Character spans [start, end) of every phrase match in ``text``, sorted (overlaps kept)."""

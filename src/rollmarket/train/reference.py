@@ -185,7 +185,8 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
     if cfg.transform_mode not in ("none", "gtpo"):
         raise ValueError("the reference loop runs no planning-token detector: transform_mode is none or gtpo "
                          "(rollmarket train has gtpo_hicra and gtpo_sepa with algorithm.planning_detector)")
-    LossConfig(kind=cfg.loss_kind, aggregation=cfg.aggregation, norm_len=cfg.max_tokens * cfg.max_turns)  # names
+    # A bad loss or aggregation name fails here, before a model is loaded.
+    LossConfig(kind=cfg.loss_kind, aggregation=cfg.aggregation, norm_len=cfg.max_tokens * cfg.max_turns)
     run_dir = new_run_dir(cfg.runs_root)
     write_json(run_dir / "config.json", {"config": dataclasses.asdict(cfg), "code": code_version()})
 

@@ -215,10 +215,9 @@ class Learner:
             "actor/lr": self.optimizer.param_groups[0]["lr"],
             "actor/num_minibatches": len(minibatches),
         }
-        full_delta_BT = ((batch.old_BT if batch.old_BT is not None else batch.behaviour_BT) - batch.behaviour_BT) * mask_BT
         metrics.update({
-            "rollout_corr/mean_abs_delta": float(full_delta_BT.abs().sum() / n_valid.clamp(min=1)),
-            "rollout_corr/max_abs_delta": float(full_delta_BT.abs().max()) if full_delta_BT.numel() else 0.0,
+            "rollout_corr/mean_abs_delta": float(delta_BT.abs().sum() / n_valid.clamp(min=1)),
+            "rollout_corr/max_abs_delta": float(delta_BT.abs().max()) if delta_BT.numel() else None,
             "rollout_corr/corrected_fraction": float(batch.corrected_B.float().mean()),
             **sepa,
         })

@@ -231,10 +231,10 @@ AGG_MASK = T([[1, 1, 1], [1, 0, 0]])
 
 
 @pytest.mark.parametrize("aggregation,norm_len,expected", [
-    ("token_mean", None, (1 + 2 + 3 + 4) / 4),              # Σ L / Σ mask = 10/4 = 2.5
-    ("seq_mean_token_sum", None, (1 + 2 + 3 + 4) / (2 * 3)),  # Σ L / (B·T) = 10/6 = 1.6666667
-    ("seq_mean_token_sum", 5, (1 + 2 + 3 + 4) / (2 * 5)),     # Σ L / (B·norm_len) = 10/10 = 1
-    ("seq_mean_token_mean", None, (6 / 3 + 4 / 1) / 2),      # mean(2, 4) = 3
+    ("token-mean", None, (1 + 2 + 3 + 4) / 4),                   # Σ L / Σ mask = 10/4 = 2.5
+    ("seq-mean-token-sum", None, (6 + 4) / 2),                   # mean of token sums (6, 4) = 5
+    ("seq-mean-token-sum-norm", 5, (1 + 2 + 3 + 4) / (2 * 5)),   # Σ L / (B·norm_len) = 10/10 = 1
+    ("seq-mean-token-mean", None, (6 / 3 + 4 / 1) / 2),          # mean(2, 4) = 3
 ])
 def test_aggregation_normalisers(aggregation, norm_len, expected):
     loss, _ = policy_loss(torch.full((2, 3), -1.0), torch.zeros(2, 3), AGG_A, AGG_MASK,
@@ -245,7 +245,7 @@ def test_aggregation_normalisers(aggregation, norm_len, expected):
 def test_seq_mean_token_mean_skips_empty_sequences():
     # seq 1 is all padding: the mean is over seq 0 alone, (1+2+3)/3 = 2, not (2 + 0)/2 = 1.
     loss, _ = policy_loss(torch.full((2, 3), -1.0), torch.zeros(2, 3), AGG_A, T([[1, 1, 1], [0, 0, 0]]),
-                          LossConfig(kind="reinforce", aggregation="seq_mean_token_mean"))
+                          LossConfig(kind="reinforce", aggregation="seq-mean-token-mean"))
     close(loss, 2.0)
 
 
@@ -280,7 +280,7 @@ def test_padding_never_reaches_loss_or_gradient():
 
 
 def test_loss_config_rejects_unknown_names():
-    for bad in ({"kind": "grpo"}, {"aggregation": "mean"}, {"kl_kind": "k2"}, {"clip_low": 1.0}):
+    for bad in ({"kind": "grpo"}, {"aggregation": "mean"}, {"kl_kind": "k4"}, {"clip_low": 1.0}):
         with pytest.raises(ValueError):
             LossConfig(**bad)
 

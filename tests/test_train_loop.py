@@ -31,8 +31,10 @@ QUICK = [
 
 REQUIRED = [
     "step", "policy_version", "correct_rate", "running_correct_rate", "mean_reward", "loss", "num_datums",
-    "reward_tie_group_rate", "reward_uniform_group_rate", "max_token_hit_rate", "exec_entropy_mean",
-    "exec_entropy_var", "plan_entropy_mean", "plan_entropy_var", "sepa_lambda", "sepa_gate_open",
+    "reward_tie_group_rate", "reward_uniform_group_rate", "reward_tie_pair_rate", "reward_unique_fraction_mean",
+    "reward_tie_eligible_groups", "max_token_hit_rate", "exec_entropy_mean",
+    "exec_entropy_var", "plan_entropy_mean", "plan_entropy_var", "plan_token_fraction", "sepa_lambda",
+    "sepa_gate_open", "actor/kl_ref",
     "critic/rewards/mean", "critic/advantages/mean", "response_length/mean", "actor/pg_loss", "actor/entropy",
     "actor/grad_norm", "actor/pg_clipfrac", "rollout_corr/mean_abs_delta", "timing_s/gen", "timing_s/update",
     "timing_s/step", "perf/throughput", "gate/train", "gate/train_with_correction", "gate/replay",
@@ -167,6 +169,21 @@ def test_local_closed_loop_trains_publishes_and_workers_reload(tmp_path):
 
     generations = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
     assert len(generations) == 2 * 2 * 2
+    # The reward-tie figures are those of the step's groups (recounted here from generations.jsonl,
+    # G = 2: a group ties when its two rewards are equal, and then it is uniform too).
+    for row in metrics[1:]:
+        groups = {}
+        for g in generations:
+            if g["step"] == row["step"]:
+                groups.setdefault(g["group_id"], []).append(g["reward"])
+        ties = [len(set(r)) == 1 for r in groups.values()]
+        assert row["reward_tie_eligible_groups"] == len(groups) == 2
+        assert row["reward_tie_group_rate"] == row["reward_uniform_group_rate"] == sum(ties) / 2
+        assert row["reward_tie_pair_rate"] == sum(ties) / 2  # one pair per group
+        assert row["reward_unique_fraction_mean"] == sum(1 / 2 if t else 1.0 for t in ties) / 2
+        # Defaults: no planning detector, transform none, no reference: those figures are null.
+        assert row["plan_entropy_mean"] is None and row["plan_token_fraction"] is None
+        assert row["sepa_lambda"] is None and row["actor/kl_ref"] is None
     assert {"step", "prompt", "response", "reward", "tokens", "decision"} <= generations[0].keys()
     assert all(g["tokens"] > 0 and g["response"] for g in generations)
     saved = json.loads((run_dir / "config.json").read_text())["config"]

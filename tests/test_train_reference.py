@@ -43,7 +43,14 @@ def test_reference_loop_trains_the_sampling_model(tmp_path, monkeypatch):
     for row in rows:
         for key in KEYS + ["eval/accuracy/mean"]:
             assert key in row, key
+            if row["num_datums"] == 0 and key in reference.NO_UPDATE + ("critic/advantages/mean",):
+                assert row[key] is None, (key, row[key])  # no update happened: null, never 0
+                continue
             assert math.isfinite(row[key]), (key, row[key])
+        # G = 2: a group ties when its two rewards are equal; every group is eligible.
+        assert row["reward_tie_eligible_groups"] == 2
+        assert row["reward_tie_pair_rate"] == row["reward_tie_group_rate"] == row["reward_uniform_group_rate"]
+        assert row["actor/kl_ref"] is None and row["plan_entropy_mean"] is None
         assert 0.0 <= row["eval/accuracy/mean"] <= 1.0
         # Sampler and trainer are the same fp32 weights: only kernel numerics separate them.
         assert row["rollout_corr/mean_abs_delta"] < 1e-3

@@ -24,7 +24,7 @@ def step_line(row: dict) -> str:
         f" flip {_fmt(row.get(f'mismatch/{p}/router_flip_rate'), '.1%')}" for p in precisions)
     line = (f"step {row['step']:3d} v{row['policy_version']}  correct {row['correct_rate']:.3f} "
             f"(running {row['running_correct_rate']:.3f})  gate t/c/r/q {gate}  datums {row['num_datums']:3d}  "
-            f"loss {row['loss']:+.4f}  {mismatch}  {row['timing_s/step']:.1f}s")
+            f"loss {_fmt(row.get('loss'), '+.4f')}  {mismatch}  {row['timing_s/step']:.1f}s")
     if "eval/accuracy/mean" in row:
         line += f"  [bold]eval {row['eval/accuracy/mean']:.3f}[/] pass@1 {_fmt(row.get('eval/pass@1'), '.3f')}"
     return line

@@ -20,7 +20,7 @@ def compute_advantages(rewards_G: torch.Tensor, mode: str, *, eps: float = 1e-6)
       std; ours is population so that [1, 0, 0, 1] gives exactly ±1 (up to eps).
     - ``dr_grpo`` (Dr. GRPO, Liu et al. 2025): A_i = r_i − mean(r). No std normalisation; the
       other half of Dr. GRPO, dropping the per-sequence length normaliser, lives in the loss
-      aggregation ``seq_mean_token_sum`` (losses.py).
+      aggregation ``seq-mean-token-sum-norm`` (losses.py).
     - ``rloo`` (REINFORCE leave-one-out, Ahmadian et al. 2024): A_i = r_i − mean_{j≠i}(r_j)
       = G/(G−1) · (r_i − mean(r)). Needs G ≥ 2.
     - ``maxrl`` (Maximum Likelihood RL, Tajwar et al. 2026, arXiv:2602.02710): A_i =

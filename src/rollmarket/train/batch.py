@@ -28,8 +28,8 @@ class Datum:
     corrected: bool = False
     """Whether the off-policy correction applies to this sequence (the gate asked for it)."""
     old_logprobs_T: np.ndarray | None = None
-    """The trainer's logprobs at the start of the step (teacher forcing); None: take them from the
-    training forward itself."""
+    """The trainer's logprobs at the start of the step (teacher forcing); None: the learner scores
+    them itself before its first update."""
 
 
 @dataclass

@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..gate import GateConfig
 from ..research.squeeze import SqueezeSettings
 from .lora import LoraSettings
+from .losses import RENAMED_AGGREGATIONS
+from .planning import PlanningConfigError, check_grams
 
 
 LIST_KEYS_HINT = "`rollmarket train --list-keys` lists every key with its type and default"
@@ -73,22 +75,68 @@ class RolloutSection(_Section):
 class AlgorithmSection(_Section):
     advantage: Literal["grpo", "dr_grpo", "rloo", "maxrl"] = Field("grpo", description="Group advantage mode.")
     transform: Literal["none", "gtpo", "gtpo_hicra", "gtpo_sepa"] = Field(
-        "none", description="Token transform on the trainer's own entropies. The agent suites have no "
-                            "planning-token detector, so the planning mask is empty: gtpo_hicra equals gtpo "
-                            "and gtpo_sepa pools every token's entropy.")
+        "none", description="Token transform on the trainer's own entropies. gtpo_hicra and gtpo_sepa need "
+                            "planning tokens: set planning_detector.")
+    planning_detector: Literal["none", "strategic_grams"] = Field(
+        "none", description="How planning tokens are found (gtpo_hicra, gtpo_sepa, plan_entropy_*): "
+                            "strategic_grams marks the response tokens that span a planning_grams phrase.")
+    planning_grams: list[str] | None = Field(
+        None, description="strategic_grams: the phrases (case-insensitive, whole words); unset: the shipped "
+                          "list (retrain's 18 strategic grams, docs/training.md).")
     sepa_steps: int = Field(0, ge=0, description="gtpo_sepa: length of λ's linear ramp (0 keeps λ = 0).")
     sepa_delay_steps: int = Field(0, ge=0, description="gtpo_sepa: steps before the ramp starts.")
     sepa_correct_rate_gate: float = Field(0.0, ge=0, le=1, description="gtpo_sepa: correct rate that opens λ's gate.")
     loss: Literal["ppo_clip", "cispo", "reinforce"] = Field("ppo_clip", description="Policy-gradient estimator.")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip ε_low.")
     clip_high: float = Field(0.28, ge=0, description="PPO clip ε_high (DAPO clip-higher).")
-    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = Field(
-        "token_mean", description="How token losses reduce to the batch loss.")
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses reduce to the batch loss (verl's loss_agg_mode names).")
+    norm_len: int | None = Field(
+        None, ge=1, description="seq-mean-token-sum-norm's constant length; unset: the generation budget "
+                                "rollout.max_tokens × agent.max_turns.")
     kl_coef: float = Field(0.0, ge=0, description="KL to the starting policy; 0 keeps no reference model.")
-    kl_kind: Literal["k1", "k3"] = Field("k3", description="KL estimator.")
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "k3", description="KL estimator (k1 gives no gradient in expectation; docs/training.md).")
     updates_per_batch: int = Field(
         1, ge=1, description="Optimizer steps per fetched batch (mini-batches); above 1 the PPO ratio moves "
                              "away from 1 and clipping matters.")
+
+    @field_validator("aggregation", mode="before")
+    @classmethod
+    def _renamed_aggregation(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in RENAMED_AGGREGATIONS:
+            new = RENAMED_AGGREGATIONS[value]
+            raise TrainConfigError(f"algorithm.aggregation {value!r} was renamed {new!r} (verl's loss_agg_mode "
+                                   f"names)", fix=f"write algorithm.aggregation = \"{new}\"")
+        return value
+
+    @field_validator("planning_grams")
+    @classmethod
+    def _grams(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        try:
+            return list(check_grams(value))
+        except PlanningConfigError as exc:
+            raise TrainConfigError(f"algorithm.planning_grams: {exc}",
+                                   fix="give at least one phrase, or leave planning_grams unset for the "
+                                       "shipped list") from None
+
+    @model_validator(mode="after")
+    def _planning(self) -> "AlgorithmSection":
+        if self.transform in ("gtpo_hicra", "gtpo_sepa") and self.planning_detector == "none":
+            raise TrainConfigError(
+                f"algorithm.transform = {self.transform!r} needs planning tokens, and "
+                f"algorithm.planning_detector is 'none'",
+                fix="set algorithm.planning_detector = \"strategic_grams\" (optionally algorithm.planning_grams), "
+                    "or use transform = \"gtpo\"")
+        return self
+
+    def norm_length(self, rollout: "RolloutSection", agent: "AgentSection") -> int:
+        """seq-mean-token-sum-norm's constant: ``norm_len``, else the generation budget, the most
+        policy tokens a trajectory can have (max_tokens per model turn × max_turns turns; tool
+        output and template glue between turns are masked out of the loss)."""
+        return self.norm_len if self.norm_len is not None else rollout.max_tokens * agent.max_turns
 
 
 class CorrectionSection(_Section):
@@ -331,14 +379,19 @@ def resolve(path: Path | str | None, overrides: list[str] = (), base: dict | Non
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        problems, fixes = [], []
         for error in exc.errors():
             where = ".".join(map(str, error["loc"]))
+            cause = (error.get("ctx") or {}).get("error")
+            if isinstance(cause, TrainConfigError):  # our own check: its message names the key, its fix is specific
+                problems.append(str(cause))
+                fixes += [cause.fix] if cause.fix else []
+                continue
             if not where:
                 problems.append(error["msg"].removeprefix("Value error, "))
                 continue
             problems.append(f"bad value for {where} ({json.dumps(error['input'], default=str)}): {error['msg']}")
-        raise TrainConfigError("; ".join(problems), fix=LIST_KEYS_HINT) from None
+        raise TrainConfigError("; ".join(problems), fix="; ".join(fixes) or LIST_KEYS_HINT) from None
 
 
 def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> None:

@@ -24,12 +24,13 @@ from ..engines.teacher import TeacherForced
 from ..observatory.dense import dense_summary
 from ..observatory.offpolicy import FIGURE_NAMES, flatten_padded, offpolicy_figures
 from .batch import Batch, Datum, collate
-from .config import TrainConfig
+from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
 from .losses import LossConfig, policy_loss
-from .transforms import SepaSchedule, TransformConfig, token_advantages, token_entropy
+from .planning import decode_fn, make_detector
+from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages, token_entropy
 
 TRAINER_STATE = "trainer"
 """Sub-directory of a checkpoint with what only the trainer needs (optimizer, counters, adapters).
@@ -65,6 +66,7 @@ class Learner:
         a = config.algorithm
         self.sepa = SepaSchedule(steps=a.sepa_steps, delay_steps=a.sepa_delay_steps,
                                  correct_rate_gate=a.sepa_correct_rate_gate)
+        self.planner = make_detector(a.planning_detector, a.planning_grams)
         self.steps_done = 0
         if resume_from is not None:
             self._restore(resume_from)
@@ -102,22 +104,63 @@ class Learner:
         logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT[..., None]).squeeze(-1)
         return logits_BTV, logprobs_BT.cpu()
 
-    def step(self, data: list[Datum], temperature: float) -> dict[str, float]:
-        """Optimizer step(s) on `data`; the metrics of the last update (verl names).
+    def _planning_mask(self, data: list[Datum], shape: torch.Size) -> torch.Tensor | None:
+        """[B, T] 1 on response tokens the planning detector marks, in the batch's slot layout; None
+        without a detector."""
+        if self.planner is None:
+            return None
+        decode = decode_fn(self.loaded.tokenizer)
+        plan_BT = torch.zeros(shape)
+        for b, d in enumerate(data):
+            P, R = len(d.prompt_token_ids_P), len(d.response_token_ids_T)
+            plan_T = self.planner.mask(np.asarray(d.response_token_ids_T).tolist(), decode)
+            plan_BT[b, P - 1:P - 1 + R] = torch.from_numpy(plan_T.astype(np.float32))
+        return plan_BT
+
+    def sepa_metrics(self) -> dict[str, float | None]:
+        """``sepa_lambda`` (the λ this step's update uses) and ``sepa_gate_open``; None unless the
+        transform is gtpo_sepa, where they mean something."""
+        if self.config.algorithm.transform != "gtpo_sepa":
+            return {"sepa_lambda": None, "sepa_gate_open": None}
+        return self.sepa.metrics(self.steps_done)
+
+    def step(self, data: list[Datum], temperature: float) -> dict[str, float | None]:
+        """Optimizer step(s) on `data`, one per mini-batch (``algorithm.updates_per_batch``); the
+        metrics describe the whole step (verl names).
 
         IS correction (config.correction) applies to sequences with `corrected` set: weights from
         Δ = logπ_old − logπ_behaviour, the trainer's own logprobs against what the rollout engine
-        reported, which covers both engine numerics and policy lag.
+        reported, which covers both engine numerics and policy lag. π_old is the policy before the
+        first mini-batch's update, for every mini-batch.
+
+        With several mini-batches, each metric is the whole step's figure (docs/metrics.md):
+        per-token means (``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/kl_ref``) are token-weighted
+        over mini-batches; ``actor/pg_loss`` and ``loss`` weight each mini-batch by what its
+        aggregation divides by (tokens for token-mean, sequences with a token for the seq-mean modes,
+        rows for seq-mean-token-sum-norm), which is the aggregation over the whole batch of each
+        token's loss at its own update; ``actor/entropy`` and the entropy metrics come from every
+        token's entropy at its own update, over the whole batch; ``actor/grad_norm`` is the mean over
+        mini-batches of the pre-clip norm (verl's reduction); the correction is computed once, on the
+        whole batch, before any update.
         """
         cfg = self.config
         a = cfg.algorithm
         loss_config = LossConfig(kind=a.loss, clip_low=a.clip_low, clip_high=a.clip_high,
-                                 cispo_cap=1 + a.clip_high, aggregation=a.aggregation, kl_coef=a.kl_coef,
+                                 cispo_cap=1 + a.clip_high, aggregation=a.aggregation,
+                                 norm_len=a.norm_length(cfg.rollout, cfg.agent), kl_coef=a.kl_coef,
                                  kl_kind=a.kl_kind)
         transform = TransformConfig(mode=a.transform)
+        if transform.needs_planning and self.planner is None:  # AlgorithmSection refuses this too
+            raise TrainConfigError(f"algorithm.transform {a.transform!r} needs planning tokens",
+                                   fix='set algorithm.planning_detector = "strategic_grams"')
         batch = collate(data, self.pad_id)
         mask_BT = batch.mask_BT
-        n_valid = mask_BT.sum().clamp(min=1)
+        planning_BT = self._planning_mask(data, mask_BT.shape)
+        minibatches = np.array_split(np.arange(len(data)), min(a.updates_per_batch, len(data)))
+        old_BT = batch.old_BT
+        if old_BT is None:  # π_old before any update: every mini-batch's ratio is against the same policy
+            with torch.no_grad():
+                old_BT = self._forward(batch, temperature)[1]
         ref_BT = None
         if self.reference is not None:
             with torch.no_grad():
@@ -125,28 +168,30 @@ class Learner:
                                         attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
                 ref_BT = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(
                     -1, batch.ids_BS[:, 1:, None].to(logits.device)).squeeze(-1).cpu()
-        metrics: dict[str, float] = {}
-        minibatches = np.array_split(np.arange(len(data)), min(a.updates_per_batch, len(data)))
+        delta_BT = (old_BT - batch.behaviour_BT) * mask_BT
+        corr = self._correction(delta_BT, mask_BT)
+        corrected_BT = batch.corrected_B[:, None].expand_as(mask_BT)
+        weights_BT = torch.where(corrected_BT, corr.weights_BT, torch.ones_like(corr.weights_BT))
+        loss_mask_BT = torch.where(corrected_BT, corr.mask_BT.float(), mask_BT)
+        lam = self.sepa.lambda_at(self.steps_done)
+        sepa = self.sepa_metrics()
+
+        entropies_BT = torch.zeros_like(mask_BT)
+        per_token, per_agg, grad_norms = _WeightedMeans(), _WeightedMeans(), []
         self.model.train()
         for rows in minibatches:
             rows_t = torch.from_numpy(rows)
             sub = _rows(batch, rows_t)
             logits_BTV, logprobs_BT = self._forward(sub, temperature)
-            old_BT = sub.old_BT if sub.old_BT is not None else logprobs_BT.detach()
-            entropies_BT = token_entropy(logits_BTV).cpu()
+            entropies_BT[rows_t] = token_entropy(logits_BTV).cpu()
             del logits_BTV
-            adv_BT, transform_metrics = token_advantages(
-                sub.advantages_B, entropies_BT, sub.mask_BT, transform,
-                planning_mask_BT=torch.zeros_like(sub.mask_BT) if transform.needs_planning else None,
-                sepa_lambda=self.sepa.lambda_at(self.steps_done))
-            delta_BT = (old_BT - sub.behaviour_BT) * sub.mask_BT
-            corr = self._correction(delta_BT, sub.mask_BT)
-            corrected_BT = sub.corrected_B[:, None].expand_as(sub.mask_BT)
-            weights_BT = torch.where(corrected_BT, corr.weights_BT, torch.ones_like(corr.weights_BT))
-            loss_mask_BT = torch.where(corrected_BT, corr.mask_BT.float(), sub.mask_BT)
+            adv_BT, _ = token_advantages(
+                sub.advantages_B, entropies_BT[rows_t], sub.mask_BT, transform,
+                planning_mask_BT=None if planning_BT is None else planning_BT[rows_t], sepa_lambda=lam)
+            sub_loss_mask_BT = loss_mask_BT[rows_t]
             loss, loss_metrics = policy_loss(
-                logprobs_BT, old_BT, adv_BT, loss_mask_BT, loss_config,
-                is_weights_BT=weights_BT if bool(sub.corrected_B.any()) else None,
+                logprobs_BT, old_BT[rows_t], adv_BT, sub_loss_mask_BT, loss_config,
+                is_weights_BT=weights_BT[rows_t] if bool(sub.corrected_B.any()) else None,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT[rows_t])
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -154,23 +199,30 @@ class Learner:
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip)
             self.optimizer.step()
-            m = sub.mask_BT
-            metrics = {
-                **corr.metrics, **loss_metrics, **transform_metrics,
-                "loss": float(loss.detach()),
-                "actor/grad_norm": float(grad_norm),
-                "actor/entropy": float((entropies_BT * m).sum() / m.sum().clamp(min=1)),
-                "actor/lr": self.optimizer.param_groups[0]["lr"],
-            }
+            grad_norms.append(float(grad_norm))
+            tokens_B = sub_loss_mask_BT.sum(dim=1)
+            per_token.add(float(tokens_B.sum()), {k: loss_metrics[k] for k in
+                                                  ("actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_ref")})
+            divides_by = {"token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
+                a.aggregation, float((tokens_B > 0).sum()))
+            per_agg.add(divides_by, {"actor/pg_loss": loss_metrics["actor/pg_loss"], "loss": float(loss.detach())})
         self.model.eval()
         self.steps_done += 1
-        full_delta_BT = ((batch.old_BT if batch.old_BT is not None else batch.behaviour_BT) - batch.behaviour_BT) * mask_BT
+        n_valid = mask_BT.sum()
+        metrics: dict[str, float | None] = {
+            **corr.metrics, **per_token.means(), **per_agg.means(),
+            **entropy_metrics(entropies_BT, mask_BT, planning_BT),
+            "actor/entropy": float((entropies_BT * mask_BT).sum() / n_valid) if n_valid else None,
+            "actor/grad_norm": float(np.mean(grad_norms)),
+            "actor/lr": self.optimizer.param_groups[0]["lr"],
+            "actor/num_minibatches": len(minibatches),
+        }
         metrics.update({
-            "rollout_corr/mean_abs_delta": float(full_delta_BT.abs().sum() / n_valid),
-            "rollout_corr/max_abs_delta": float(full_delta_BT.abs().max()) if full_delta_BT.numel() else 0.0,
+            "rollout_corr/mean_abs_delta": float(delta_BT.abs().sum() / n_valid.clamp(min=1)),
+            "rollout_corr/max_abs_delta": float(delta_BT.abs().max()) if delta_BT.numel() else None,
             "rollout_corr/corrected_fraction": float(batch.corrected_B.float().mean()),
             **self._mismatch_figures(batch),
-            **self.sepa.metrics(self.steps_done),
+            **sepa,
         })
         return metrics
 
@@ -268,6 +320,26 @@ class Learner:
 def read_state(checkpoint: Path) -> dict:
     """The counters a checkpoint was saved with (its trainer/state.json)."""
     return json.loads((checkpoint / TRAINER_STATE / "state.json").read_text())
+
+
+class _WeightedMeans:
+    """Weighted means of per-mini-batch figures: Σ_k w_k·x_k / Σ_k w_k; None where any x_k is None
+    (the figure does not apply) or the weights sum to 0."""
+
+    def __init__(self) -> None:
+        self.weights: list[float] = []
+        self.values: dict[str, list[float | None]] = {}
+
+    def add(self, weight: float, values: dict[str, float | None]) -> None:
+        self.weights.append(weight)
+        for key, value in values.items():
+            self.values.setdefault(key, []).append(value)
+
+    def means(self) -> dict[str, float | None]:
+        total = sum(self.weights)
+        return {key: None if total <= 0 or any(v is None for v in vs)
+                else sum(w * v for w, v in zip(self.weights, vs)) / total
+                for key, vs in self.values.items()}
 
 
 def _rows(batch: Batch, rows_t) -> Batch:

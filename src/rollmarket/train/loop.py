@@ -66,18 +66,18 @@ from .advantages import compute_advantages
 from .batch import Datum
 from .config import TrainConfig, TrainConfigError, resolve, validate
 from .failpoints import Failpoint
+from .reward_stats import reward_tie_stats
 
 CORRECT_REWARD = 1.0
 """A run counts as correct when its reward reaches this (the verifiers' pass value)."""
 
-NO_UPDATE: dict[str, float | None] = {**{key: 0.0 for key in (
-    "loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl",
-    "exec_entropy_mean", "exec_entropy_var", "plan_entropy_mean", "plan_entropy_var",
-    "rollout_corr/mean_abs_delta", "rollout_corr/max_abs_delta", "rollout_corr/corrected_fraction")},
-    # verl's mismatch figures describe the trained datums: none, so they do not apply (null).
-    **{f"rollout_corr/{key}": None for key in (*FIGURE_NAMES, "token_ess")}}
-"""A step without a group worth training on (every group tied or was held back) logs zeros (and
-null for the figures that need datums)."""
+NO_UPDATE: dict[str, float | None] = {key: None for key in (
+    "loss", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_ref",
+    "exec_entropy_mean", "exec_entropy_var", "plan_entropy_mean", "plan_entropy_var", "plan_token_fraction",
+    "rollout_corr/mean_abs_delta", "rollout_corr/max_abs_delta", "rollout_corr/corrected_fraction",
+    *(f"rollout_corr/{key}" for key in (*FIGURE_NAMES, "token_ess")))}
+"""A step without a group worth training on (every group tied or was held back) logs null for what
+did not happen: there was no update to measure (nor datums for verl's mismatch figures)."""
 
 USABLE = {DecisionStatus.train, DecisionStatus.train_with_correction, DecisionStatus.replay}
 
@@ -99,8 +99,8 @@ class StepGroups:
     lengths: list[int] = dataclasses.field(default_factory=list)
     truncated: int = 0
     groups: int = 0
-    tie_groups: int = 0
-    uniform_groups: int = 0
+    group_rewards: list[list[float]] = dataclasses.field(default_factory=list)
+    """Each judged group's rewards (reward_tie_stats)."""
     advantages: list[float] = dataclasses.field(default_factory=list)
     lags: list[int] = dataclasses.field(default_factory=list)
     mismatch: dict = dataclasses.field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
@@ -345,9 +345,7 @@ class Trainer:
 
         rewards_G = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         advantages_G = compute_advantages(rewards_G, cfg.algorithm.advantage)
-        distinct = len(set(rewards_G.tolist()))
-        out.uniform_groups += int(distinct == 1)
-        out.tie_groups += int(distinct < len(trajectories))
+        out.group_rewards.append(rewards_G.tolist())
         use = status in USABLE and (status is not DecisionStatus.replay or cfg.loop.replay)
         corrected = {"always": True, "never": False}.get(
             cfg.correction.when, status in (DecisionStatus.train_with_correction, DecisionStatus.replay))
@@ -505,7 +503,7 @@ class Trainer:
                 gen_s = time.perf_counter() - t0 - self.timing["score"]
                 t0 = time.perf_counter()
                 metrics = (self.learner.step(groups.data, cfg.rollout.temperature) if groups.data
-                           else {**NO_UPDATE, **self.learner.sepa.metrics(self.learner.steps_done)})
+                           else {**NO_UPDATE, **self.learner.sepa_metrics()})
                 update_s = time.perf_counter() - t0
                 seen += len(groups.rewards)
                 solved += sum(r >= CORRECT_REWARD for r in groups.rewards)
@@ -580,13 +578,12 @@ class Trainer:
             "mean_reward": _mean(rewards) or 0.0,
             "num_datums": len(g.data),
             "num_groups": g.groups,
-            "reward_tie_group_rate": g.tie_groups / max(1, g.groups),
-            "reward_uniform_group_rate": g.uniform_groups / max(1, g.groups),
+            **reward_tie_stats(g.group_rewards),
             "max_token_hit_rate": g.truncated / max(1, len(rewards)),
             "critic/rewards/mean": _mean(rewards) or 0.0,
-            "critic/advantages/mean": _mean(g.advantages) or 0.0,
-            "critic/advantages/max": max(g.advantages, default=0.0),
-            "critic/advantages/min": min(g.advantages, default=0.0),
+            "critic/advantages/mean": _mean(g.advantages),  # null when no datum: nothing was trained on
+            "critic/advantages/max": max(g.advantages, default=None),
+            "critic/advantages/min": min(g.advantages, default=None),
             "response_length/mean": _mean(g.lengths) or 0.0,
             "response_length/max": max(g.lengths, default=0),
             "response_length/clip_ratio": g.truncated / max(1, len(rewards)),

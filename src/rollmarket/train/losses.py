@@ -7,9 +7,9 @@ off-policy weight w_t (corrections.py; 1 when none is given), the per-token loss
     cispo      L_t = −w_t · sg(min(ratio_t, cap)) · A_t · lp_t                      (MiniMax-M1)
     reinforce  L_t = −sg(w_t) · A_t · lp_t
 
-plus kl_coef · KL_t to a reference policy when one is given, and the batch loss aggregates L_t
-as ``LossConfig.aggregation`` says. ``sg`` is stop-gradient. Sources and metric names:
-docs/training.md, "Algorithms".
+plus kl_coef · KL_t to a reference policy when one is given (``kl_to_ref``), and the batch loss
+aggregates L_t as ``LossConfig.aggregation`` says (verl's ``loss_agg_mode`` names). ``sg`` is
+stop-gradient. Sources and metric names: docs/training.md, "Algorithms".
 """
 
 from __future__ import annotations
@@ -20,8 +20,27 @@ from typing import Literal
 import torch
 
 LOSS_KINDS = ("ppo_clip", "cispo", "reinforce")
-AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
-KL_KINDS = ("k1", "k3")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""verl's ``loss_agg_mode`` names (verl/trainer/ppo/core_algos.py, ``agg_loss``)."""
+RENAMED_AGGREGATIONS = {"token_mean": "token-mean", "seq_mean_token_sum": "seq-mean-token-sum-norm",
+                        "seq_mean_token_mean": "seq-mean-token-mean"}
+"""Our old names → verl's. The old ``seq_mean_token_sum`` divided by a constant: that is verl's
+``seq-mean-token-sum-norm``; verl's ``seq-mean-token-sum`` (no length normaliser) is new."""
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
+LOW_VAR_KL_LOG_RATIO_CLAMP = 20.0
+"""low_var_kl clamps log(π_ref/π) to ±20 before exp (verl's ``kl_penalty_forward``)."""
+LOW_VAR_KL_VALUE_CLAMP = 10.0
+"""low_var_kl clamps the estimate to ±10 (verl's ``kl_penalty_forward``)."""
+
+
+def aggregation_error(name: str) -> str | None:
+    """Why ``name`` is not an aggregation (naming the new name of an old one), or None when it is one."""
+    if name in AGGREGATIONS:
+        return None
+    if name in RENAMED_AGGREGATIONS:
+        return (f"aggregation {name!r} was renamed {RENAMED_AGGREGATIONS[name]!r} (verl's loss_agg_mode names); "
+                f"write {RENAMED_AGGREGATIONS[name]!r}")
+    return f"unknown aggregation {name!r}; expected one of {AGGREGATIONS}"
 
 
 @dataclass(frozen=True)
@@ -36,22 +55,26 @@ class LossConfig:
     """ε_high: ppo_clip clips the ratio above at 1 + clip_high (DAPO's clip-higher)."""
     cispo_cap: float = 1.28
     """cispo: the IS weight min(ratio, cispo_cap); our default is 1 + clip_high."""
-    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
-    """token_mean: Σ L / Σ mask (DAPO). seq_mean_token_sum: Σ L / (B · norm_len) (Dr. GRPO's
-    constant normaliser). seq_mean_token_mean: mean over sequences of each sequence's token mean
-    (the original GRPO)."""
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                         "seq-mean-token-sum-norm"] = "token-mean"
+    """verl's names. token-mean: Σ L / Σ mask (DAPO). seq-mean-token-sum: each sequence's token sum,
+    averaged over the sequences with a valid token. seq-mean-token-mean: each sequence's token mean,
+    averaged over the sequences with a valid token (the original GRPO). seq-mean-token-sum-norm:
+    Σ L / (B · norm_len), Dr. GRPO's constant normaliser."""
     norm_len: int | None = None
-    """seq_mean_token_sum's max_len; None means T, the padded width of the batch."""
+    """seq-mean-token-sum-norm's constant length (the generation budget); required by that mode and
+    never the padded width of a batch, which moves with every batch and holds the prompt."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference term; 0 turns it off."""
-    kl_kind: Literal["k1", "k3"] = "k3"
-    """k1 = lp − ref; k3 = exp(ref − lp) − (ref − lp) − 1 (Schulman's unbiased non-negative estimator)."""
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """The per-token KL estimator (``kl_to_ref``); docs/training.md gives each one's gradient."""
 
     def __post_init__(self) -> None:
         if self.kind not in LOSS_KINDS:
             raise ValueError(f"unknown loss kind {self.kind!r}; expected one of {LOSS_KINDS}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown aggregation {self.aggregation!r}; expected one of {AGGREGATIONS}")
+        problem = aggregation_error(self.aggregation)
+        if problem:
+            raise ValueError(problem)
         if self.kl_kind not in KL_KINDS:
             raise ValueError(f"unknown kl_kind {self.kl_kind!r}; expected one of {KL_KINDS}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
@@ -60,6 +83,9 @@ class LossConfig:
             raise ValueError("cispo_cap must be positive")
         if self.norm_len is not None and self.norm_len < 1:
             raise ValueError("norm_len must be at least 1")
+        if self.aggregation == "seq-mean-token-sum-norm" and self.norm_len is None:
+            raise ValueError("aggregation seq-mean-token-sum-norm needs norm_len (the generation budget: "
+                             "the most response tokens a sequence can have)")
         if self.kl_coef < 0:
             raise ValueError("kl_coef must be non-negative")
 
@@ -67,30 +93,52 @@ class LossConfig:
 def aggregate(
     loss_BT: torch.Tensor, mask_BT: torch.Tensor, aggregation: str, norm_len: int | None = None
 ) -> torch.Tensor:
-    """Reduce per-token losses to a scalar over the valid tokens (see LossConfig.aggregation)."""
+    """Reduce per-token losses to a scalar over the valid tokens, as verl's ``agg_loss`` (see
+    LossConfig.aggregation). seq-mean-token-sum-norm divides by B · ``norm_len`` (Dr. GRPO), where
+    verl divides each micro-batch by its loss_scale_factor alone: verl's value is ours times the
+    micro-batch size, a constant the learning rate absorbs."""
     m_BT = mask_BT.to(loss_BT.dtype)
     masked_BT = loss_BT * m_BT
-    if aggregation == "token_mean":
+    problem = aggregation_error(aggregation)
+    if problem:
+        raise ValueError(problem)
+    if aggregation == "token-mean":
         return masked_BT.sum() / m_BT.sum().clamp(min=1)
-    if aggregation == "seq_mean_token_sum":
-        B, T = loss_BT.shape
-        return masked_BT.sum() / (B * (norm_len or T))
-    if aggregation == "seq_mean_token_mean":
-        n_B = m_BT.sum(dim=1)
-        has_tokens_B = n_B > 0
-        per_seq_B = masked_BT.sum(dim=1) / n_B.clamp(min=1)
-        # Sequences with no valid token (all padding) are left out of the mean, not counted as 0.
-        return per_seq_B[has_tokens_B].sum() / has_tokens_B.sum().clamp(min=1)
-    raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")
+    if aggregation == "seq-mean-token-sum-norm":
+        if norm_len is None or norm_len < 1:
+            raise ValueError("seq-mean-token-sum-norm needs norm_len >= 1 (the generation budget)")
+        return masked_BT.sum() / (loss_BT.shape[0] * norm_len)
+    n_B = m_BT.sum(dim=1)
+    has_tokens_B = n_B > 0
+    # Sequences with no valid token (all padding, or all rejected) are left out of the mean, as in verl.
+    per_seq_B = masked_BT.sum(dim=1)
+    if aggregation == "seq-mean-token-mean":
+        per_seq_B = per_seq_B / n_B.clamp(min=1)
+    return per_seq_B[has_tokens_B].sum() / has_tokens_B.sum().clamp(min=1)
 
 
 def kl_to_ref(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of the policy against the reference, from sampled-token log-probs."""
+    """Per-token KL(π‖π_ref) estimate from the sampled tokens' log-probs (Schulman's k1/k2/k3).
+
+    With u = lp − ref = log(π/π_ref):
+    k1 = u (unbiased value; as a loss its expected gradient is 0, since E_π[∇ log π] = 0);
+    k2 = u²/2 (gradient u·∇lp, whose expectation is ∇KL(π‖π_ref));
+    k3 = e^{−u} + u − 1 (unbiased, non-negative value; gradient (1 − π_ref/π)·∇lp, whose
+    expectation is ∇KL(π_ref‖π), the reverse KL);
+    low_var_kl = verl's k3: −u clamped to ±20 before exp, the estimate clamped to ±10 (zero
+    gradient where a clamp binds).
+    """
     if kind == "k1":
         return logprobs_BT - ref_logprobs_BT
+    if kind == "k2":
+        return 0.5 * (logprobs_BT - ref_logprobs_BT).square()
     if kind == "k3":
         d_BT = ref_logprobs_BT - logprobs_BT
         return d_BT.exp() - d_BT - 1
+    if kind == "low_var_kl":
+        c = LOW_VAR_KL_LOG_RATIO_CLAMP
+        d_BT = (ref_logprobs_BT - logprobs_BT).clamp(-c, c)
+        return (d_BT.exp() - d_BT - 1).clamp(-LOW_VAR_KL_VALUE_CLAMP, LOW_VAR_KL_VALUE_CLAMP)
     raise ValueError(f"unknown kl_kind {kind!r}; expected one of {KL_KINDS}")
 
 
@@ -103,7 +151,7 @@ def policy_loss(
     *,
     is_weights_BT: torch.Tensor | None = None,
     ref_logprobs_BT: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | None]]:
     """The scalar loss to minimise and its metrics.
 
     ``logprobs_BT`` carries the gradient; ``old_logprobs_BT`` (the trainer at step start),
@@ -112,8 +160,8 @@ def policy_loss(
     Metrics (verl names): ``actor/pg_loss`` (the aggregated policy-gradient term, without KL),
     ``actor/pg_clipfrac`` (share of valid tokens where the clip binds: ppo_clip's clipped term is
     the active one, cispo's ratio exceeds the cap; 0 for reinforce), ``actor/ppo_kl`` (token mean
-    of old − lp), and ``actor/kl_ref`` (token mean of the chosen KL estimate; only when
-    ``ref_logprobs_BT`` is given).
+    of old − lp), and ``actor/kl_ref`` (token mean of the chosen KL estimate; None without
+    ``ref_logprobs_BT``).
     """
     shape = logprobs_BT.shape
     for name, t in (("old_logprobs_BT", old_logprobs_BT), ("advantages_BT", advantages_BT),
@@ -151,10 +199,11 @@ def policy_loss(
     pg_loss = aggregate(pg_BT, mask_BT, config.aggregation, config.norm_len)
     loss = pg_loss
     n_valid = mask_BT.sum().clamp(min=1)
-    metrics = {
+    metrics: dict[str, float | None] = {
         "actor/pg_loss": float(pg_loss.detach()),
         "actor/pg_clipfrac": float((clip_active_BT & mask_BT).sum() / n_valid),
         "actor/ppo_kl": float((-log_ratio_BT.detach() * mask_BT).sum() / n_valid),
+        "actor/kl_ref": None,
     }
     if ref_logprobs_BT is not None:
         ref_BT = torch.where(mask_BT, ref_logprobs_BT.detach(), zero)

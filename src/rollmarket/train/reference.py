@@ -46,6 +46,7 @@ from ..serve.settings import ServeSettings
 from ..tasks.suites import load_suite
 from ..verifiers import verify_trajectory
 from .batch import pad_batch  # right-padding; slot t of a *_BT tensor scores token t+1
+from .reward_stats import reward_tie_stats
 from . import (
     LossConfig,
     TransformConfig,
@@ -70,6 +71,7 @@ class Config:
     advantage_mode: str = "grpo"  # grpo | dr_grpo | rloo | maxrl (train/advantages.py)
     transform_mode: str = "none"  # none | gtpo (the planning-token modes need a planning mask)
     loss_kind: str = "ppo_clip"  # ppo_clip (DAPO clip-higher) | cispo | reinforce
+    aggregation: str = "token-mean"  # verl's names; seq-mean-token-sum-norm divides by max_tokens · max_turns
     tis_cap: float = 2.0  # token TIS cap on exp(logp_old - logp_behaviour); 0 turns it off
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -146,7 +148,9 @@ def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) 
         is_weights_BT, loss_mask_BT = corr.weights_BT, corr.mask_BT
         metrics.update(corr.metrics)
     loss, loss_metrics = policy_loss(logprobs_BT, old_logprobs_BT, adv_BT, loss_mask_BT,
-                                     LossConfig(kind=cfg.loss_kind), is_weights_BT=is_weights_BT)
+                                     LossConfig(kind=cfg.loss_kind, aggregation=cfg.aggregation,
+                                                norm_len=cfg.max_tokens * cfg.max_turns),
+                                     is_weights_BT=is_weights_BT)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -162,6 +166,15 @@ def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) 
 # ---------------------------------------------------------------------------------------------
 # The loop.
 
+NO_UPDATE = ("loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_ref", "actor/entropy",
+             "actor/grad_norm", "exec_entropy_mean", "exec_entropy_var", "plan_entropy_mean", "plan_entropy_var",
+             "plan_token_fraction", "rollout_corr/mean_abs_delta", "rollout_corr/max_abs_delta")
+"""Update metrics: null on a step that trained on nothing (every group tied)."""
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
 
 def train(cfg: Config, *, quiet: bool = False) -> Path:
     """Run `cfg.steps` RL steps; return the run directory (config.json, metrics.jsonl, summary.json)."""
@@ -170,7 +183,10 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
     if cfg.temperature <= 0:
         raise ValueError("training samples need temperature > 0 (the policy is logits / temperature)")
     if cfg.transform_mode not in ("none", "gtpo"):
-        raise ValueError("the reference loop has no planning-token detector: transform_mode is none or gtpo")
+        raise ValueError("the reference loop runs no planning-token detector: transform_mode is none or gtpo "
+                         "(rollmarket train has gtpo_hicra and gtpo_sepa with algorithm.planning_detector)")
+    # A bad loss or aggregation name fails here, before a model is loaded.
+    LossConfig(kind=cfg.loss_kind, aggregation=cfg.aggregation, norm_len=cfg.max_tokens * cfg.max_turns)
     run_dir = new_run_dir(cfg.runs_root)
     write_json(run_dir / "config.json", {"config": dataclasses.asdict(cfg), "code": code_version()})
 
@@ -206,13 +222,10 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
                 t_sample = time.perf_counter() - t0
 
                 # 2. Score, then advantages within each group; runs that tie their group carry no signal.
-                views, advantages, rewards, passed, lengths, ties, uniform = [], [], [], [], [], 0, 0
+                views, advantages, rewards, passed, lengths = [], [], [], [], []
                 for runs in groups:
                     rewards_G = torch.tensor([r.reward for r in runs], dtype=torch.float32)
                     advantages_G = compute_advantages(rewards_G, cfg.advantage_mode)
-                    distinct = len(set(rewards_G.tolist()))
-                    ties += int(distinct < len(runs))  # some two runs of the group scored the same
-                    uniform += int(distinct == 1)  # the whole group did: no signal at all
                     rewards += rewards_G.tolist()
                     passed += [bool(r.verification and r.verification.passed) for r in runs]
                     for run, adv in zip(runs, advantages_G.tolist()):
@@ -228,9 +241,10 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
                         views.append(view)
                         advantages.append(adv)
 
-                # 3. One policy-gradient step on the informative runs.
+                # 3. One policy-gradient step on the informative runs; a step without one logs null
+                #    for what did not happen.
                 t1 = time.perf_counter()
-                metrics: dict[str, float] = {}
+                metrics: dict[str, float | None] = dict.fromkeys(NO_UPDATE)
                 if views:
                     metrics = train_step(model, optimizer, views, torch.tensor(advantages), engine.pad_id, cfg)
                 t_update = time.perf_counter() - t1
@@ -243,13 +257,10 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
                     "running_correct_rate": solved / seen,
                     "mean_reward": sum(rewards) / len(rewards),
                     "num_datums": len(views),
-                    "reward_tie_group_rate": ties / len(groups),
-                    "reward_uniform_group_rate": uniform / len(groups),
+                    **reward_tie_stats([[r.reward for r in runs] for runs in groups]),
                     "critic/rewards/mean": sum(rewards) / len(rewards),
-                    "critic/advantages/mean": sum(advantages) / len(advantages) if advantages else 0.0,
+                    "critic/advantages/mean": sum(advantages) / len(advantages) if advantages else None,
                     "response_length/mean": sum(lengths) / len(lengths),
-                    "loss": 0.0, "actor/pg_loss": 0.0, "actor/entropy": 0.0, "actor/grad_norm": 0.0,
-                    "actor/pg_clipfrac": 0.0, "rollout_corr/mean_abs_delta": 0.0,
                     **metrics,
                     "timing_s/sample": t_sample,
                     "timing_s/update": t_update,
@@ -260,7 +271,8 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 say(f"step {step:3d}  correct {row['correct_rate']:.3f}  running {row['running_correct_rate']:.3f}  "
-                    f"datums {len(views):3d}  loss {row['loss']:+.4f}  |Δ| {row['rollout_corr/mean_abs_delta']:.1e}  "
+                    f"datums {len(views):3d}  loss {_fmt(row['loss'], '+.4f')}  "
+                    f"|Δ| {_fmt(row['rollout_corr/mean_abs_delta'], '.1e')}  "
                     f"{row['timing_s/step']:.1f}s"
                     + (f"  eval {row['eval/accuracy/mean']:.3f}" if "eval/accuracy/mean" in row else ""))
         minutes = (time.perf_counter() - started) / 60

@@ -19,8 +19,8 @@ formulas follow the public retrain/textpolicy implementations the guide document
 their defaults β = 0.1, α = 0.2 and an entropy cap of 50. One deliberate difference: retrain
 defaults to the sampled token's surprisal (−log p); we use the trainer's own per-token Shannon
 entropy of its next-token distribution (``token_entropy``), computed in the trainer's forward pass,
-never the rollout engine's. Planning tokens arrive as a mask; finding them (retrain matches
-"strategic grams" such as "wait let me") is not part of this module.
+never the rollout engine's. Planning tokens arrive as a mask; train/planning.py finds them (the
+strategic grams retrain matches, such as "wait let me").
 """
 
 from __future__ import annotations
@@ -108,13 +108,33 @@ def _masked_mean(x_BT: torch.Tensor, m_BT: torch.Tensor) -> torch.Tensor:
     return (x_BT * m_BT).sum(dim=1) / m_BT.sum(dim=1).clamp(min=1)
 
 
-def _stats(h_BT: torch.Tensor, m_BT: torch.Tensor, prefix: str) -> dict[str, float]:
+def _stats(h_BT: torch.Tensor, m_BT: torch.Tensor, prefix: str) -> dict[str, float | None]:
     n = m_BT.sum()
-    if n == 0:
-        return {f"{prefix}_entropy_mean": 0.0, f"{prefix}_entropy_var": 0.0}
+    if n == 0:  # no such token: the figure does not exist (null), it is not 0
+        return {f"{prefix}_entropy_mean": None, f"{prefix}_entropy_var": None}
     mean = (h_BT * m_BT).sum() / n
     var = (((h_BT - mean) ** 2) * m_BT).sum() / n  # population variance, like retrain
     return {f"{prefix}_entropy_mean": float(mean), f"{prefix}_entropy_var": float(var)}
+
+
+def entropy_metrics(
+    entropies_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    planning_mask_BT: torch.Tensor | None,
+    max_entropy: float = TransformConfig.max_entropy,
+) -> dict[str, float | None]:
+    """``exec_entropy_mean/var`` and ``plan_entropy_mean/var`` over valid tokens (entropies capped at
+    ``max_entropy``, population variance) and ``plan_token_fraction`` (planning share of valid tokens).
+
+    Without a planning mask (no detector) the plan figures are None and every valid token counts as
+    execution; a step whose mask marks no token also has None plan figures."""
+    m_BT = mask_BT.bool().float()
+    plan_BT = torch.zeros_like(m_BT) if planning_mask_BT is None else planning_mask_BT.bool().float() * m_BT
+    h_BT = torch.where(m_BT.bool(), entropies_BT.detach().float(), torch.zeros(())).clamp(0, max_entropy)
+    metrics = {**_stats(h_BT, m_BT - plan_BT, "exec"), **_stats(h_BT, plan_BT, "plan")}
+    n = m_BT.sum()
+    metrics["plan_token_fraction"] = None if planning_mask_BT is None or n == 0 else float(plan_BT.sum() / n)
+    return metrics
 
 
 def token_advantages(
@@ -125,14 +145,14 @@ def token_advantages(
     *,
     planning_mask_BT: torch.Tensor | None = None,
     sepa_lambda: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, float | None]]:
     """Per-token advantages ``advantages_BT`` (0 on padding, detached) and entropy metrics.
 
     ``advantages_B`` holds one advantage per completion (train/advantages.py); ``entropies_BT``
     the trainer's own per-token entropies (``token_entropy``). Modes gtpo_hicra and gtpo_sepa need
     ``planning_mask_BT`` (1 = planning token). Metrics, over valid tokens and before SEPA pooling:
-    ``exec_entropy_mean``, ``exec_entropy_var``, ``plan_entropy_mean``, ``plan_entropy_var``
-    (population variance; with no planning mask every token counts as execution).
+    ``entropy_metrics`` (with no planning mask every token counts as execution and the plan figures
+    are None).
     """
     B, T = mask_BT.shape
     if advantages_B.shape != (B,) or entropies_BT.shape != (B, T):
@@ -151,7 +171,7 @@ def token_advantages(
     adv_B = advantages_B.detach().float()
     h_BT = torch.where(m_BT.bool(), entropies_BT.detach().float(), torch.zeros(()))
     h_BT = h_BT.clamp(0, config.max_entropy)
-    metrics = {**_stats(h_BT, exec_BT, "exec"), **_stats(h_BT, plan_BT, "plan")}
+    metrics = entropy_metrics(entropies_BT, mask_BT, planning_mask_BT, config.max_entropy)
 
     if config.mode == "none":
         return adv_B[:, None] * m_BT, metrics

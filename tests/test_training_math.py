@@ -401,3 +401,12 @@ def test_figures_that_do_not_apply_are_null(tmp_path):
     got = learner.step(data, temperature=1.0)
     assert got["plan_entropy_mean"] is None and got["plan_token_fraction"] == 0.0
     assert got["sepa_lambda"] == 0.0 and got["sepa_gate_open"] == 1.0  # gate 0: open; steps 0: λ = 0
+
+
+def test_token_logprobs_reads_the_next_token_under_the_softmax():
+    from rollmarket.train import token_logprobs
+
+    # Logits (0, ln 3): p = (1/4, 3/4). Row 0 took token 1, row 1 token 0.
+    logits_BTV = torch.tensor([[[0.0, math.log(3.0)]], [[0.0, math.log(3.0)]]])
+    got_BT = token_logprobs(logits_BTV, torch.tensor([[1], [0]]))
+    assert torch.allclose(got_BT, torch.tensor([[math.log(0.75)], [math.log(0.25)]]))

@@ -122,9 +122,6 @@ class Store(ABC):
     async def lease(self, worker_id: str, now: float) -> LeaseGrant: ...
 
     @abstractmethod
-    async def lease_owner(self, lease_id: str) -> str | None: ...
-
-    @abstractmethod
     async def submit(self, group: SampleGroup, payload: bytes, findings: list[Finding],
                      now: float) -> SubmitOutcome: ...
 

@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, Qwen3Model
@@ -188,6 +188,3 @@ def train(model: PreTrainedModel, examples: list[Example], config: TrainConfig, 
     result.wall_s = time.monotonic() - start
     return result
 
-
-def config_dict(config: TrainConfig) -> dict:
-    return asdict(config)

@@ -13,7 +13,6 @@ import random
 import re
 from functools import lru_cache
 from importlib import resources
-from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -186,12 +185,6 @@ def _render_files(companies: list[Company], services: list[Service]) -> dict[str
 def world_json(world: World) -> str:
     """The canonical JSON the shipped world file holds."""
     return json.dumps(world.model_dump(mode="json"), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
-
-
-def write_world(world: World, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(world_json(world))
-    return path
 
 
 @lru_cache(maxsize=1)

@@ -6,7 +6,7 @@ no I/O. Formulas and their sources are in docs/training.md, "Algorithms".
 
 from .advantages import ADVANTAGE_MODES, compute_advantages
 from .corrections import Correction, masked_is, sequence_tis, token_tis
-from .losses import LossConfig, policy_loss
+from .losses import LossConfig, policy_loss, token_logprobs
 from .transforms import (
     TRANSFORM_MODES,
     SepaSchedule,
@@ -28,5 +28,6 @@ __all__ = [
     "sequence_tis",
     "token_advantages",
     "token_entropy",
+    "token_logprobs",
     "token_tis",
 ]

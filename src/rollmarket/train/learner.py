@@ -28,7 +28,7 @@ from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
-from .losses import LossConfig, policy_loss
+from .losses import LossConfig, policy_loss, token_logprobs
 from .planning import decode_fn, make_detector
 from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages, token_entropy
 
@@ -100,9 +100,7 @@ class Learner:
                                 attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
         # The policy is the distribution the engine sampled from: logits / temperature.
         logits_BTV = logits_BSV[:, :-1] / temperature
-        targets_BT = batch.ids_BS[:, 1:].to(logits_BTV.device)
-        logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT[..., None]).squeeze(-1)
-        return logits_BTV, logprobs_BT.cpu()
+        return logits_BTV, token_logprobs(logits_BTV, batch.ids_BS[:, 1:]).cpu()
 
     def _planning_mask(self, data: list[Datum], shape: torch.Size) -> torch.Tensor | None:
         """[B, T] 1 on response tokens the planning detector marks, in the batch's slot layout; None
@@ -166,8 +164,7 @@ class Learner:
             with torch.no_grad():
                 logits = self.reference(input_ids=batch.ids_BS.to(self.loaded.device),
                                         attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
-                ref_BT = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(
-                    -1, batch.ids_BS[:, 1:, None].to(logits.device)).squeeze(-1).cpu()
+                ref_BT = token_logprobs(logits[:, :-1] / temperature, batch.ids_BS[:, 1:]).cpu()
         delta_BT = (old_BT - batch.behaviour_BT) * mask_BT
         corr = self._correction(delta_BT, mask_BT)
         corrected_BT = batch.corrected_B[:, None].expand_as(mask_BT)

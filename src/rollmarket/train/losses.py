@@ -90,6 +90,12 @@ class LossConfig:
             raise ValueError("kl_coef must be non-negative")
 
 
+def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    """log π(target_t) under `logits_BTV` (already divided by the temperature): the log-softmax
+    at each position, read at the token that came next."""
+    return torch.log_softmax(logits_BTV, dim=-1).gather(-1, targets_BT.to(logits_BTV.device)[..., None]).squeeze(-1)
+
+
 def aggregate(
     loss_BT: torch.Tensor, mask_BT: torch.Tensor, aggregation: str, norm_len: int | None = None
 ) -> torch.Tensor:

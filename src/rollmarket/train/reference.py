@@ -54,6 +54,7 @@ from . import (
     policy_loss,
     token_advantages,
     token_entropy,
+    token_logprobs,
     token_tis,
 )
 
@@ -132,7 +133,7 @@ def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) 
     logits_BSV = model(input_ids=ids_BS, attention_mask=attn_BS).logits.float()
     # The policy is the distribution the engine sampled from: logits / temperature (verl does the same).
     logits_BTV = logits_BSV[:, :-1] / cfg.temperature
-    logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, ids_BS[:, 1:, None]).squeeze(-1)
+    logprobs_BT = token_logprobs(logits_BTV, ids_BS[:, 1:])
     # One update per batch, so the "old" policy is this very forward with the gradient cut.
     old_logprobs_BT = logprobs_BT.detach()
     entropies_BT = token_entropy(logits_BTV)

@@ -692,13 +692,6 @@ class SqliteStore(Store):
 
         return await self._write(tx)
 
-    async def lease_owner(self, lease_id: str) -> str | None:
-        def read(conn: sqlite3.Connection) -> str | None:
-            row = conn.execute("SELECT worker_id FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
-            return None if row is None else row[0]
-
-        return await self._read(read)
-
     async def submit(self, group: SampleGroup, payload: bytes, findings: list[Finding],
                      now: float) -> SubmitOutcome:
         def tx(conn: sqlite3.Connection) -> SubmitOutcome:

@@ -16,19 +16,16 @@ Each case runs as a fresh process, the median of `--rounds` runs, interleaved ro
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+from _result import write_result
 from rich.console import Console
 from rich.table import Table
 
@@ -101,12 +98,7 @@ def main() -> None:
         table.add_row(name, f"{median:.3f}", f"{median / base:.2f}×")
     console = Console(width=max(Console().width, 100))
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "cli_startup", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average": os.getloadavg()},
-        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
+    write_result(args.out, "cli_startup", args, rows)
     console.print(f"wrote {args.out}")
 
 

@@ -17,16 +17,13 @@ All modes run interleaved, round after round, so that a loaded machine slows the
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
+from _result import write_result
 from rich.console import Console
 from rich.table import Table
 
@@ -125,12 +122,7 @@ def main() -> None:
     console.print(reads_table)
     console.print("baselines: a bare interpreter start (python_eval); read_file's earlier path checks (read_file; "
                   "ReadFile.run and the old checks alike, without the tool boundary's schema validation).")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "benchmark": "python_eval_cost", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average": os.getloadavg()},
-        "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2) + "\n")
+    write_result(args.out, "python_eval_cost", args, rows)
     console.print(f"wrote {args.out}")
 
 

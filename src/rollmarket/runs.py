@@ -34,6 +34,23 @@ def new_run_dir(root: Path | str = "runs", *, kind: str = "run") -> Path:
     return path
 
 
+def read_step_rows(path: Path) -> tuple[list[dict], bool]:
+    """The rows of a per-step JSONL file (metrics.jsonl, evals.jsonl): JSON objects with an integer
+    `step`, in file order; and whether the file is clean (no line a crash left half-written, a
+    newline at the end). A missing file is empty and clean."""
+    text = path.read_text() if path.exists() else ""
+    lines = text.splitlines()
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line a crash tore
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows, len(rows) == len(lines) and (not text or text.endswith("\n"))
+
+
 def write_json(path: Path, value: Any) -> None:
     """Write `value` as JSON, atomically (see `atomic_write_text`)."""
     atomic_write_text(path, json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")

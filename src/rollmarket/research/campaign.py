@@ -19,7 +19,7 @@
     algorithm.advantage = "maxrl"
 
     [stats]                # read by `rollmarket stats`, kept in campaign.json as it is
-    metrics = ["eval/pass@1"]
+    metrics = ["eval/pass@1@final"]
 
 The campaign directory:
 
@@ -57,7 +57,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..runs import code_version, write_json
+from ..runs import code_version, read_step_rows, write_json
 
 SeedMode = Literal["all", "sampling"]
 MANIFEST = "campaign.json"
@@ -320,15 +320,8 @@ def run_dir_of(root: Path) -> Path | None:
 
 def last_step(run_dir: Path | None) -> int:
     """The newest step with a metrics row in run_dir/metrics.jsonl (a torn last line is skipped)."""
-    path = run_dir / "metrics.jsonl" if run_dir else None
-    if path is None or not path.exists():
-        return 0
-    for line in reversed(path.read_text().splitlines()):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
+    rows = read_step_rows(run_dir / "metrics.jsonl")[0] if run_dir else []
+    return rows[-1]["step"] if rows else 0
 
 
 def _comparable(config: dict) -> dict:

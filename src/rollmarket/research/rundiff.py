@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
+from ..runs import read_step_rows
 from .campaign import flatten
 
 Better = Literal["max", "min"] | None
@@ -53,15 +54,7 @@ def _read_run(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
     except (OSError, ValueError, KeyError, TypeError):
         raise RunDirError(f"{run_dir} is not a training run directory (no readable config.json with a config)",
                           fix="pass run directories that `rollmarket train` or `rollmarket campaign` made") from None
-    rows = []
-    metrics = Path(run_dir) / "metrics.jsonl"
-    for line in (metrics.read_text().splitlines() if metrics.exists() else []):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line a crash tore
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
+    rows, _ = read_step_rows(Path(run_dir) / "metrics.jsonl")
     summary_path = Path(run_dir) / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return config, rows, summary

@@ -59,7 +59,7 @@ from ..engines.provenance import checkpoint_digest
 from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
 from ..observatory.offpolicy import FIGURE_NAMES
-from ..runs import atomic_write_text, code_version, new_run_dir, write_json
+from ..runs import atomic_write_text, code_version, new_run_dir, read_step_rows, write_json
 from ..tasks.suites import load_suite
 from . import failpoints
 from .advantages import compute_advantages
@@ -149,20 +149,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict], bool]:
-    """The rows of a JSONL file, and whether it is clean (no line a crash left half-written)."""
-    text = path.read_text() if path.exists() else ""
-    rows = []
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows, len(rows) == len(text.splitlines()) and (not text or text.endswith("\n"))
-
-
 def _append_jsonl(path: Path, rows: list[dict]) -> None:
     if not rows:
         return
@@ -174,7 +160,7 @@ def _append_jsonl(path: Path, rows: list[dict]) -> None:
 
 def _keep_rows(path: Path, keep: Callable[[dict], bool], key: Callable[[dict], tuple]) -> list[dict]:
     """Rewrite a JSONL file (atomically) with only the rows `keep` accepts, the first of each `key`."""
-    rows, clean = _read_jsonl(path)
+    rows, clean = read_step_rows(path)
     seen, kept = set(), []
     for row in rows:
         k = key(row)

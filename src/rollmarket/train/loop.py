@@ -225,11 +225,12 @@ class Trainer:
     def _client(self, stack: ExitStack, run_dir: Path) -> TrainerClient:
         cfg = self.config
         if self.local:
-            from .cluster import LocalCluster
+            from .cluster import LocalCluster, arrival_gate
 
+            # This trainer judges every group; the exchange's arrival triage must not hide any from it.
             cluster = stack.enter_context(LocalCluster(
-                run_dir, cfg.model.path, cfg.local.workers, max_turns=cfg.agent.max_turns,
-                lease_ttl_s=cfg.local.lease_ttl_s))
+                run_dir, cfg.model.path, cfg.local.specs, max_turns=cfg.agent.max_turns,
+                lease_ttl_s=cfg.local.lease_ttl_s, gate=arrival_gate(cfg.loop.steps + 1)))
             url, token = cluster.url, cluster.token
         else:
             url = cfg.exchange.url

@@ -23,7 +23,7 @@ console = Console()
 @click.group(invoke_without_command=True)
 @click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Where the run directory is created.")
-@click.option("--model", default=DEFAULTS["model"], show_default=True, type=ModelDir(),
+@click.option("--model", default=None, show_default=DEFAULTS["model"], type=ModelDir(),
               help="Model to train (a HF directory).")
 @click.option("--steps", default=DEFAULTS["steps"], show_default=True, help="Training steps (policy versions).")
 @click.option("--groups", default=DEFAULTS["groups"], show_default=True, help="Groups (tasks) per step.")
@@ -57,6 +57,11 @@ def demo(ctx: click.Context, runs_dir: Path, model: str, steps: int, groups: int
     from ..tasks.suites import check_suite
     from ..train.config import TrainConfigError, WorkerSpec
 
+    check_suite(suite, "train")
+    # The default is checked here, not by click, so that `demo paths` never depends on it.
+    model = model or ModelDir().convert(DEFAULTS["model"], next(p for p in ctx.command.params if p.name == "model"),
+                                        ctx)
+
     chosen = precision_list(precisions, "--precisions")
     drift_spec = None if drift.lower() == "none" else drift
     if drift_spec is not None:
@@ -66,7 +71,6 @@ def demo(ctx: click.Context, runs_dir: Path, model: str, steps: int, groups: int
             raise Refused(str(exc).replace("local.workers entry", "--drift"), fix=exc.fix or "",
                           param_hint="--drift") from None
         precision_list(spec.precision, "--drift")
-    check_suite(suite, "train")
     from ..train.demo import TrainDemoConfig, run_train_demo
 
     config = TrainDemoConfig(model=model, steps=steps, groups_per_step=groups, group_size=group_size, lr=lr,

@@ -23,8 +23,8 @@ console = Console()
 @click.group(invoke_without_command=True)
 @click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Where the run directory is created.")
-@click.option("--model", default=None, show_default=DEFAULTS["model"], type=ModelDir(),
-              help="Model to train (a HF directory).")
+@click.option("--model", default=None, type=ModelDir(),
+              help=f"Model to train (a HF directory).  [default: {DEFAULTS['model']}]")
 @click.option("--steps", default=DEFAULTS["steps"], show_default=True, help="Training steps (policy versions).")
 @click.option("--groups", default=DEFAULTS["groups"], show_default=True, help="Groups (tasks) per step.")
 @click.option("--group-size", default=DEFAULTS["group_size"], show_default=True, help="Runs per group.")

@@ -58,7 +58,7 @@ COMMANDS: dict[str, LazyCommand] = {
                            "A dry run of a train config or campaign file: what would run, jobs, tokens, evaluation "
                            "cost and an estimate of time."),
     "models": LazyCommand("rollmarket.cli.models", "models",
-                          "Build and inspect the tiny shipped models (tiny-dense, tiny-moe)."),
+                          "Build and inspect the tiny shipped models (tiny-dense, tiny-moe, tiny-start)."),
     "observe": LazyCommand("rollmarket.cli.observe", "observe",
                            "Sample agent runs on each rollout engine, teacher-force the same token ids on each "
                            "trainer engine, and write per-trajectory reports, the matrix with bootstrap intervals, "

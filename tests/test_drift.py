@@ -105,6 +105,15 @@ def test_a_bad_worker_entry_is_a_typed_error_and_makes_nothing(tmp_path, entry, 
                                 "rollout.precisions=['bf16']"]), local=True)
 
 
+def test_a_lagging_worker_in_sync_mode_is_refused(tmp_path):
+    """Sync takes only groups of the trainer's own version: a lagging worker's would never be used."""
+    cfg = resolve(None, [f"model.path={json.dumps(MODEL)}", "local.workers=['bf16','bf16@lag2']",
+                         "rollout.precisions=['bf16']", "loop.mode=sync"])
+    with pytest.raises(TrainConfigError, match="loop.mode is 'sync'"):
+        validate(cfg, local=True)
+    validate(cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"mode": "async"})}), local=True)
+
+
 def test_worker_entries_parse_and_the_worker_refuses_a_negative_lag():
     assert WorkerSpec.parse("bf16") == WorkerSpec("bf16", 0)
     assert WorkerSpec.parse("fp8@lag12") == WorkerSpec("fp8", 12)

@@ -466,6 +466,12 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
             raise TrainConfigError(f"{key}: unknown precision(s) {bad}" if bad else f"{key} is empty",
                                    fix=f"choose from {', '.join(known)}")
     if local:
+        lagging = [str(spec) for spec in config.local.specs if spec.reload_lag]
+        if lagging and config.loop.mode == "sync":
+            raise TrainConfigError(
+                f"local.workers {lagging} lag behind the policy, and loop.mode is 'sync': a sync trainer takes "
+                f"only groups of its own version, so theirs would never be used and their jobs never done",
+                fix="set loop.mode=async, or drop the @lag entries")
         missing = [p for p in config.rollout.precisions if p not in local_precisions]
         if missing:
             raise TrainConfigError(f"rollout.precisions {missing} have no worker in local.workers "

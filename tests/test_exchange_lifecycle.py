@@ -459,3 +459,37 @@ def test_restart_keeps_tokens_and_state_and_requeues_leases_expired_meanwhile(st
 
     # The re-queued job is leased again, by whoever asks.
     assert lease_one(sleeper_again).job.job_id == short_job.job_id
+
+
+def test_a_worker_that_declares_a_reload_lag_leases_at_the_version_it_runs_until_it_is_too_far_behind(exchange):
+    """A slow host (`max_reload_lag = 1`) keeps leasing at its loaded version while the published one
+    is at most one newer; its group carries that version, so the lag is the group's real age; two
+    versions behind it must reload like any worker. A worker without the declaration must always
+    reload (the default is unchanged)."""
+    trainer = exchange.trainer()
+    trainer.publish_policy(policy(0))
+    slow = ready_worker(exchange.url, "slow", max_reload_lag=1)
+    prompt = ready_worker(exchange.url, "prompt")
+    trainer.publish_policy(policy(1))
+    prompt.ack_reload(1, sha("ckpt-1"))
+    assert trainer.pool().active_version == 1  # quorum: 1 of 2 live workers
+
+    trainer.enqueue([job(0, version=1), job(1, version=1)])
+    grant = lease_one(slow)
+    assert grant.lease.policy_version == 0 and grant.lease.requirements.checkpoint_digest == sha("ckpt-0")
+    receipt = submit_for(slow, grant)
+    assert receipt.policy_lag_steps == 1  # active 1 − its version 0
+    (stored,) = trainer.fetch(tier=Tier.fresh, limit=10).groups
+    assert stored.group.policy_version == 0 and stored.current_lag == 1
+
+    trainer.publish_policy(policy(2))
+    prompt.ack_reload(2, sha("ckpt-2"))
+    behind = slow.lease()
+    assert behind.lease is None and behind.reason is NoLeaseReason.reload_required
+    assert behind.policy.policy_version == 2
+    slow.ack_reload(2, sha("ckpt-2"))
+    assert lease_one(slow).lease.policy_version == 2
+
+    trainer.publish_policy(policy(3))
+    unlagged = prompt.lease()
+    assert unlagged.lease is None and unlagged.reason is NoLeaseReason.reload_required

@@ -156,7 +156,14 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
 
     if bool(model_path) == bool(model_url):
         raise click.UsageError("give exactly one of --model PATH or --model-url URL")
-    settings = WorkerSettings(**{k: v for k, v in values.items() if v is not None})
+    from pydantic import ValidationError
+
+    try:
+        settings = WorkerSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:  # a value out of range (e.g. --reload-lag -1) is the user's to fix
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')} {e['input']!r}: {e['msg']}"
+                             for e in exc.errors())
+        raise click.UsageError(problems) from None
     try:
         with console.status(f"loading {model_path or model_url}"):
             host = (EmbeddedHost(model_path, precision, device, threads=threads) if model_path

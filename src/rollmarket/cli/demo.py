@@ -1,4 +1,4 @@
-"""`rollmarket demo`: the main job (train the tiny MoE through a real exchange) and `demo paths`,
+"""`rollmarket demo`: the main job (train the starting model through a real exchange) and `demo paths`,
 the exchange's fault-path demo."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from .options import ModelDir, precision_list
+from .options import ModelDir, Refused, precision_list
+
+# The demo's defaults, written out so that `rollmarket demo --help` loads no torch (train/ does);
+# tests/test_train_demo.py checks they are TrainDemoConfig's.
+DEFAULTS = {"model": "models/tiny-start", "steps": 8, "groups": 6, "group_size": 4, "lr": 5e-5,
+            "precisions": "bf16,fp8", "drift": "fp16@lag3", "suite": "arithmetic", "eval_tasks": 64,
+            "eval_samples": 4, "observe": False}
 
 console = Console()
 
@@ -17,29 +23,60 @@ console = Console()
 @click.group(invoke_without_command=True)
 @click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True,
               help="Where the run directory is created.")
-@click.option("--steps", default=4, show_default=True, help="Training steps (policy versions).")
-@click.option("--model", default="models/tiny-moe", show_default=True, type=ModelDir(),
+@click.option("--model", default=None, show_default=DEFAULTS["model"], type=ModelDir(),
               help="Model to train (a HF directory).")
-@click.option("--precisions", default="bf16,fp8", show_default=True,
+@click.option("--steps", default=DEFAULTS["steps"], show_default=True, help="Training steps (policy versions).")
+@click.option("--groups", default=DEFAULTS["groups"], show_default=True, help="Groups (tasks) per step.")
+@click.option("--group-size", default=DEFAULTS["group_size"], show_default=True, help="Runs per group.")
+@click.option("--lr", default=DEFAULTS["lr"], show_default=True, help="AdamW learning rate.")
+@click.option("--precisions", default=DEFAULTS["precisions"], show_default=True,
               help="Rollout precisions, one real worker process each.")
-@click.option("--suite", default="lookup", show_default=True, help="Task suite (train split: jobs; heldout: eval).")
-@click.option("--eval-tasks", default=20, show_default=True, help="Held-out tasks evaluated before and after.")
+@click.option("--drift", default=DEFAULTS["drift"], show_default=True,
+              help="The drifting worker, PRECISION@lagK (it reloads the policy only when the published one is "
+                   "more than K versions newer); 'none' for no drift.")
+@click.option("--suite", default=DEFAULTS["suite"], show_default=True, help="Task suite (train split: jobs; heldout: eval).")
+@click.option("--eval-tasks", default=DEFAULTS["eval_tasks"], show_default=True,
+              help="Held-out tasks evaluated before and after.")
+@click.option("--eval-samples", default=DEFAULTS["eval_samples"], show_default=True,
+              help="Samples per held-out task at temperature 1 (pass@1 before and after).")
+@click.option("--observe/--no-observe", default=DEFAULTS["observe"], show_default=True,
+              help="End with the observatory matrix of the trained policy (about a minute more).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Any `rollmarket train` setting, applied last (repeatable), e.g. --set gate.clamp=2.")
 @click.pass_context
-def demo(ctx: click.Context, runs_dir: Path, steps: int, model: str, precisions: str, suite: str,
-         eval_tasks: int) -> None:
-    """Run the main job: train the tiny MoE for a few steps through a real exchange with real workers
-    at two precisions, showing the gate's decisions and the mismatch per step, and end with the
-    observatory matrix. `rollmarket demo paths` runs the exchange's fault-path demo instead."""
+def demo(ctx: click.Context, runs_dir: Path, model: str, steps: int, groups: int, group_size: int, lr: float,
+         precisions: str, drift: str, suite: str, eval_tasks: int, eval_samples: int, observe: bool,
+         overrides: tuple[str, ...]) -> None:
+    """Run the main job: train the starting model through a real exchange with real worker processes
+    at several precisions, one of them a slow host whose rollouts drift (it lags behind the policy),
+    printing a line per step (ETA, reward, the gate's decisions and what each did, each worker's
+    mismatch) and held-out pass@1 before and after with 95% intervals. `rollmarket demo paths` runs
+    the exchange's fault-path demo instead."""
     if ctx.invoked_subcommand is not None:
         return
     from ..tasks.suites import check_suite
+    from ..train.config import TrainConfigError, WorkerSpec
+
+    check_suite(suite, "train")
+    # The default is checked here, not by click, so that `demo paths` never depends on it.
+    model = model or ModelDir().convert(DEFAULTS["model"], next(p for p in ctx.command.params if p.name == "model"),
+                                        ctx)
 
     chosen = precision_list(precisions, "--precisions")
-    check_suite(suite, "train")
+    drift_spec = None if drift.lower() == "none" else drift
+    if drift_spec is not None:
+        try:
+            spec = WorkerSpec.parse(drift_spec)
+        except TrainConfigError as exc:
+            raise Refused(str(exc).replace("local.workers entry", "--drift"), fix=exc.fix or "",
+                          param_hint="--drift") from None
+        precision_list(spec.precision, "--drift")
     from ..train.demo import TrainDemoConfig, run_train_demo
 
-    run_train_demo(TrainDemoConfig(model=model, precisions=chosen, suite=suite, steps=steps, eval_tasks=eval_tasks),
-                   runs_dir=runs_dir, console=console)
+    config = TrainDemoConfig(model=model, steps=steps, groups_per_step=groups, group_size=group_size, lr=lr,
+                             precisions=chosen, drift=drift_spec, suite=suite, eval_tasks=eval_tasks,
+                             eval_samples=eval_samples, observe=observe, overrides=list(overrides))
+    run_train_demo(config, runs_dir=runs_dir, console=console)
 
 
 @demo.command("paths")

@@ -46,9 +46,11 @@ COMMANDS: dict[str, LazyCommand] = {
                              "The observatory dashboard: mismatch matrices, router matrix, worst token, length "
                              "scaling, agent divergence and a trajectory viewer."),
     "demo": LazyCommand("rollmarket.cli.demo", "demo",
-                        "Run the main job: train the tiny MoE for a few steps through a real exchange with real "
-                        "workers at two precisions, showing the gate's decisions and the mismatch per step, and "
-                        "end with the observatory matrix."),
+                        "Run the main job: train the starting model through a real exchange with real worker "
+                        "processes at several precisions, one of them a slow host whose rollouts drift (it lags "
+                        "behind the policy), printing a line per step (ETA, reward, the gate's decisions and what "
+                        "each did, each worker's mismatch) and held-out pass@1 before and after with 95% "
+                        "intervals."),
     "diff": LazyCommand("rollmarket.cli.diff", "diff",
                         "Two training runs side by side: the settings that differ and their headline metrics."),
     "exchange": LazyCommand("rollmarket.cli.exchange", "exchange", "Run and inspect a rollout exchange."),

@@ -43,7 +43,7 @@ def accuracy_line(summary: dict) -> str | None:
 @click.command("train", context_settings={"ignore_unknown_options": False})
 @click.argument("config", required=False, type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("overrides", nargs=-1)
-@click.option("--local", is_flag=True, help="Start an exchange and one worker per local.workers precision in this "
+@click.option("--local", is_flag=True, help="Start an exchange and one worker per local.workers entry (PRECISION or PRECISION@lagK) in this "
                                             "process (quick experiments; no other process needed).")
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="Continue a run from its newest checkpoint (its saved config; OVERRIDES still apply).")

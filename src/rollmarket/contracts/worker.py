@@ -39,6 +39,12 @@ class WorkerManifest(Record):
         default=None,
         description="Base64 raw ed25519 public key; when set every submission must be signed.",
     )
+    max_reload_lag: Version = Field(
+        default=0,
+        description="Versions this worker may run behind the published policy before it must reload (a "
+                    "slow host that reloads every few versions); it leases at the version it runs, so its "
+                    "groups carry their real lag. 0: it always runs the newest.",
+    )
 
 
 class WorkerRegistration(Record):

@@ -193,11 +193,58 @@ class AgentSection(_Section):
     max_turns: int = Field(4, ge=1, description="Agent turns per run (workers get it as --max-steps).")
 
 
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One `local.workers` entry: ``PRECISION`` or ``PRECISION@lagK``.
+
+    ``bf16@lag3`` is a bf16 worker that runs up to 3 policy versions behind the published one
+    before it reloads (a slow host; `rollmarket worker --reload-lag 3`): its groups really come
+    from older policies, so the gate sees their lag and the trainer their mismatch.
+    """
+
+    precision: str
+    reload_lag: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "WorkerSpec":
+        """``"bf16"`` → (bf16, 0); ``"bf16@lag3"`` → (bf16, 3). Raises TrainConfigError on anything else."""
+        precision, sep, option = text.partition("@")
+        fix = 'write PRECISION or PRECISION@lagK with K a whole number ≥ 0, e.g. "bf16" or "bf16@lag3"'
+        if not precision:
+            raise TrainConfigError(f"local.workers entry {text!r} names no precision", fix=fix)
+        if not sep:
+            return cls(precision)
+        if not option.startswith("lag"):
+            raise TrainConfigError(f"local.workers entry {text!r}: unknown option {option!r} after '@'", fix=fix)
+        digits = option.removeprefix("lag")
+        if not (digits.isascii() and digits.isdigit()):
+            raise TrainConfigError(f"local.workers entry {text!r}: the lag {digits!r} is not a whole number ≥ 0",
+                                   fix=fix)
+        return cls(precision, int(digits))
+
+    def __str__(self) -> str:
+        return f"{self.precision}@lag{self.reload_lag}" if self.reload_lag else self.precision
+
+
 class LocalSection(_Section):
     workers: list[str] = Field(
-        default_factory=lambda: ["bf16", "fp8"], description="--local: one in-process worker per precision listed.")
+        default_factory=lambda: ["bf16", "fp8"],
+        description="--local: one in-process worker per entry, PRECISION or PRECISION@lagK (a worker that runs "
+                    "up to K policy versions behind the published one before it reloads, like a slow host).")
     threads: int = Field(1, ge=1, description="--local: torch threads per worker engine.")
     lease_ttl_s: float = Field(60.0, gt=0, description="--local: the exchange's lease TTL.")
+
+    @field_validator("workers")
+    @classmethod
+    def _specs(cls, value: list[str]) -> list[str]:
+        for text in value:
+            WorkerSpec.parse(text)
+        return value
+
+    @property
+    def specs(self) -> list[WorkerSpec]:
+        """The workers as parsed entries."""
+        return [WorkerSpec.parse(text) for text in self.workers]
 
 
 class ExchangeSection(_Section):
@@ -419,14 +466,15 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
     except UnknownSuite as exc:
         raise TrainConfigError(f"rollout.suite: {exc}", fix="`rollmarket suites ls` lists the suites") from None
     known = [p.value for p in Precision]
+    local_precisions = [spec.precision for spec in config.local.specs]
     for key, names in (("rollout.precisions", config.rollout.precisions),
-                       ("local.workers", config.local.workers if local else [])):
+                       ("local.workers", local_precisions if local else [])):
         bad = [p for p in names if p not in known]
         if bad or (key == "rollout.precisions" and not names):
             raise TrainConfigError(f"{key}: unknown precision(s) {bad}" if bad else f"{key} is empty",
                                    fix=f"choose from {', '.join(known)}")
     if local:
-        missing = [p for p in config.rollout.precisions if p not in config.local.workers]
+        missing = [p for p in config.rollout.precisions if p not in local_precisions]
         if missing:
             raise TrainConfigError(f"rollout.precisions {missing} have no worker in local.workers "
                                    f"{config.local.workers}: their jobs would never run",

@@ -127,6 +127,8 @@ class JudgedGroup:
     """Trained on: a usable decision (replay only with loop.replay)."""
     corrected: bool
     """Trained with the IS correction."""
+    lag: int
+    """The group's policy lag when fetched."""
 
 
 @dataclasses.dataclass
@@ -246,11 +248,12 @@ class Trainer:
     def _client(self, stack: ExitStack, run_dir: Path) -> TrainerClient:
         cfg = self.config
         if self.local:
-            from .cluster import LocalCluster
+            from .cluster import LocalCluster, arrival_gate
 
+            # This trainer judges every group; the exchange's arrival triage must not hide any from it.
             cluster = stack.enter_context(LocalCluster(
-                run_dir, cfg.model.path, cfg.local.workers, max_turns=cfg.agent.max_turns,
-                lease_ttl_s=cfg.local.lease_ttl_s))
+                run_dir, cfg.model.path, cfg.local.specs, max_turns=cfg.agent.max_turns,
+                lease_ttl_s=cfg.local.lease_ttl_s, gate=arrival_gate(cfg.loop.steps + 1)))
             url, token = cluster.url, cluster.token
         else:
             url = cfg.exchange.url
@@ -358,7 +361,7 @@ class Trainer:
             out.lengths.append(t.num_response_tokens)
             out.truncated += int(t.finish_reason.value == "length")
         runs = sorted(zip(trajectories, scored), key=lambda pair: pair[0].sample_index)
-        out.judged_groups.append(JudgedGroup(group, runs, status, use, corrected))
+        out.judged_groups.append(JudgedGroup(group, runs, status, use, corrected, fetched.current_lag))
 
     def _train_data(self, step: int, out: StepGroups) -> None:
         """The step's advantages, datums and generations rows, once every group is judged.
@@ -379,17 +382,21 @@ class Trainer:
             advantages_G = compute_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.algorithm.advantage)
             out.group_rewards.append(rewards)
             for (t, s), reward, adv in zip(j.runs, rewards, advantages_G.tolist()):
+                mask_T = valid_token_mask(t)
                 if self.write_generations:
+                    delta_T = np.asarray(s.logprobs_T, dtype=np.float64) - np.asarray(t.logprobs, dtype=np.float64)
                     out.generations.append({
                         "step": step, "group_id": group.group_id, "task_id": group.task_id,
                         "sample_index": t.sample_index, "policy_version": group.policy_version,
+                        "policy_lag": j.lag, "worker_id": group.worker_id,
                         "precision": group.precision_class, "decision": j.status.value,
                         "used": j.use and adv != 0.0, "reward": t.reward, "trained_reward": reward,
                         "advantage": adv, "tokens": t.num_response_tokens,
+                        # the gate's clipped_fraction counts these: valid tokens with |Δ| past its clamp
+                        "clipped_tokens": int((np.abs(delta_T[mask_T]) > self.gate.clamp).sum()),
                         "prompt": tok.decode(t.prompt_token_ids), "response": tok.decode(t.response_token_ids)})
                 if not j.use or adv == 0.0:
                     continue  # a run that ties its group carries no policy-gradient signal
-                mask_T = valid_token_mask(t)
                 if not mask_T.any():
                     continue
                 out.data.append(Datum(t.prompt_token_ids, t.response_token_ids, t.logprobs,
@@ -582,7 +589,9 @@ class Trainer:
             raise TrainingError(f"the base policy v{self.base_version}: {exc}") from None
         if self.eval_tasks and not evaluated:
             self.on_event("eval", {"step": 0})
+            t0 = time.perf_counter()
             self.history["before"] = self._evaluate(0)
+            self.on_event("evaluated", {"step": 0, "seconds": time.perf_counter() - t0})
             self._write({"step": 0, "policy_version": self.base_version, **self.history["before"]}, [])
         return self.base_version
 

@@ -57,6 +57,10 @@ class WorkerSettings(BaseModel):
     lease_wait_s: float = Field(2.0, ge=0, description="Long-poll time of a lease request.")
     heartbeat_s: float = Field(1.0, gt=0, description="Seconds between heartbeats.")
     price: float = Field(1.0, ge=0, description="Relative price per 1M tokens (dispatch preference).")
+    reload_lag: int = Field(
+        0, ge=0, description="Run up to this many policy versions behind the published one before reloading "
+                             "(a slow host that reloads every few versions; its groups carry the lag). "
+                             "0: reload every version.")
     max_groups: int | None = Field(None, ge=1, description="Stop after this many submitted groups.")
     events: Path | None = Field(None, description="Append one JSON line per event here.")
     rollouts: Path | None = Field(
@@ -64,13 +68,14 @@ class WorkerSettings(BaseModel):
                           "`rollmarket profile`).")
 
 
-def manifest_for(identity: EngineIdentity, worker_id: str, price: float) -> WorkerManifest:
+def manifest_for(identity: EngineIdentity, worker_id: str, price: float, reload_lag: int = 0) -> WorkerManifest:
     return WorkerManifest(
         worker_id=worker_id, engine_name=identity.engine_name, engine_version=identity.engine_version,
         engine_fingerprint=identity.engine_fingerprint, device_type=identity.device_type,
         precision_classes=[identity.precision], quantization_classes=[identity.quantization],
         supported_tokenizer_hashes=[identity.tokenizer_hash], max_context_tokens=identity.max_context_tokens,
         max_concurrent_groups=1, returns_routed_experts=identity.returns_routed_experts, price_hint=price,
+        max_reload_lag=reload_lag,
     )
 
 
@@ -252,7 +257,7 @@ class AgentWorker:
         """Register, then lease and work until `stop` is set. While the exchange does not answer it
         waits with backoff (one log line every few seconds); after `exchange_wait_s` of silence it
         raises ExchangeUnreachable."""
-        manifest = manifest_for(self.identity, self.worker_id, self.settings.price)
+        manifest = manifest_for(self.identity, self.worker_id, self.settings.price, self.settings.reload_lag)
         self.client.http.wait_for_exchange(self.settings.exchange_wait_s, stop=stop)
         if stop.is_set():
             return 0

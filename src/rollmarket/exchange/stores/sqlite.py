@@ -601,16 +601,25 @@ class SqliteStore(Store):
             if latest is None:
                 return LeaseGrant(reason=NoLeaseReason.no_policy, retry_after_s=1.0,
                                   detail="no policy has been published yet")
-            # Workers always move to the newest published version; leases flow again once the
-            # reload quorum has made that version active.
-            if row["loaded_version"] != published:
-                return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest, retry_after_s=0.5,
-                                  detail=f"load policy version {published} and ack it before leasing")
-            if active != published:
-                needed, acks = self._quorum(conn, published)
-                return LeaseGrant(reason=NoLeaseReason.awaiting_quorum, policy=latest, retry_after_s=0.2,
-                                  detail=f"version {published} has {acks}/{needed} reload acks")
-            policy = latest
+            loaded = row["loaded_version"]
+            # A worker that declared max_reload_lag (a slow host that reloads every few versions) goes
+            # on leasing at the version it runs while that is at most max_reload_lag behind the
+            # published one and already active; its groups carry that version, so their lag is real.
+            lagging = (loaded is not None and active is not None and loaded < published and loaded <= active
+                       and published - loaded <= manifest.max_reload_lag)
+            if lagging:
+                policy = self._policy(conn, loaded)
+            else:
+                # Workers otherwise always move to the newest published version; leases flow again
+                # once the reload quorum has made that version active.
+                if loaded != published:
+                    return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest, retry_after_s=0.5,
+                                      detail=f"load policy version {published} and ack it before leasing")
+                if active != published:
+                    needed, acks = self._quorum(conn, published)
+                    return LeaseGrant(reason=NoLeaseReason.awaiting_quorum, policy=latest, retry_after_s=0.2,
+                                      detail=f"version {published} has {acks}/{needed} reload acks")
+                policy = latest
             mismatch = policy_mismatch(manifest, policy)
             if mismatch:
                 return LeaseGrant(reason=NoLeaseReason.no_matching_jobs, detail=mismatch, retry_after_s=5.0)

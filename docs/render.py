@@ -923,6 +923,12 @@ def _gate_shares(run) -> dict[str, float]:
             for tier in GATE_TIERS}
 
 
+def _run_mean(run, key: str) -> float:
+    """The mean over the run's training steps of a per-step figure (steps without it left out)."""
+    values = [r[key] for r in run.rows if r.get("step", 0) > 0 and r.get(key) is not None]
+    return statistics.mean(values) if values else math.nan
+
+
 def _mean_ci(values: list[float]) -> tuple[float, float, float]:
     """Mean and 95% t interval of per-seed values (stats.py's t_interval)."""
     from rollmarket.research.stats import t_interval
@@ -1073,6 +1079,8 @@ def exp_c() -> dict | None:
             "versus": by_candidate.get(name),
             "p_holm_across": adjusted[names.index(name)] if name in by_candidate else None,
             "shares": {t: [s[t] for s in shares] for t in GATE_TIERS},
+            "token_ess": [_run_mean(r, "mismatch/token_ess_mean") for r in runs],
+            "lag": [_run_mean(r, "policy_lag/mean") for r in runs],
             "minutes": minutes,
             "quarantine_vs_reference": [_gate_shares(runs_of[name][s])["quarantine"] - ref_quarantine[s]
                                         for s in paired],
@@ -1130,6 +1138,8 @@ def _():
     for cond in c["conditions"]:
         cells = [bold(cond["name"], cond["reference"])]
         cells += [_ci(*_mean_ci(cond["shares"][t]), fmt=lambda x: f"{x:.2f}") for t in GATE_TIERS]
+        cells += [_ci(*_mean_ci(cond["token_ess"]), fmt=lambda x: f"{x:.3f}"),
+                  _ci(*_mean_ci(cond["lag"]), fmt=lambda x: f"{x:.2f}")]
         dq, dm = cond["quarantine_vs_reference"], cond["minutes_vs_reference"]
         cells.append("reference" if cond["reference"] else _ci(*_mean_ci(dq), fmt=lambda x: signed(x, 2)))
         cells.append(_ci(*_mean_ci(cond["minutes"]), fmt=lambda x: f"{x:.1f}") if len(cond["minutes"]) > 1 else "–")
@@ -1137,8 +1147,8 @@ def _():
                      _ci(*_mean_ci(dm), fmt=lambda x: signed(x, 1)) if len(dm) > 1 else "–")
         out.append(cells)
     return table(["condition", "share trained", "with correction", "replayed", "quarantined",
-                  f"Δ quarantined vs {c['reference']}", "minutes", f"Δ minutes vs {c['reference']}"],
-                 list("lllllll") + ["l"], out)
+                  "token ESS (step mean)", "policy lag (step mean)", f"Δ quarantined vs {c['reference']}",
+                  "minutes", f"Δ minutes vs {c['reference']}"], ["l"] * 10, out)
 
 
 @block("exp-c-prose")

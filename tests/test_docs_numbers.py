@@ -148,9 +148,11 @@ def _write_campaign(root: Path, name: str, stats: dict, runs: dict, gate: dict |
         label = {"condition": condition, "seed": seed}
         rows = [{"step": 0, "eval/pass@1": before / 32, **label},
                 {"step": 1, "num_groups": 4, "gate/train": 4 - quarantined, "gate/train_with_correction": 0,
-                 "gate/replay": 0, "gate/quarantine": quarantined, **label},
+                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": 0.99,
+                 "policy_lag/mean": 1.0, **label},
                 {"step": 2, "num_groups": 4, "gate/train": 4 - quarantined, "gate/train_with_correction": 0,
-                 "gate/replay": 0, "gate/quarantine": quarantined, "eval/pass@1": after / 32, **label}]
+                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": 0.97,
+                 "policy_lag/mean": 2.0, "eval/pass@1": after / 32, **label}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         evals = []
         for step, correct in ((0, before), (2, after)):
@@ -244,8 +246,10 @@ def test_experiment_c_blocks_compare_each_threshold_setting_with_the_reference(t
     strict_gate = next(line for line in gate_table.splitlines() if line.startswith("| strict |"))
     # 1 of 4 groups trained and 3 quarantined every step; 0.75 more quarantined than default;
     # minutes 4.0..4.5 vs 5.0..5.5: one minute less in every seed.
+    # Token ESS 0.99 and 0.97 at the two steps: 0.980; lag 1 and 2: 1.50.
     assert strict_gate.startswith("| strict | 0.25 [0.25, 0.25] | 0.00 [0.00, 0.00] | 0.00 [0.00, 0.00] | "
-                                  "0.75 [0.75, 0.75] | +0.75 [+0.75, +0.75] | 4.2 [")
+                                  "0.75 [0.75, 0.75] | 0.980 [0.980, 0.980] | 1.50 [1.50, 1.50] | "
+                                  "+0.75 [+0.75, +0.75] | 4.2 [")
     assert strict_gate.endswith("| −1.0 [−1.0, −1.0] |")
     prose = render.BLOCKS["exp-c-prose"]()
     assert "- **strict**: trains (CONFIRMED" in prose and "worse than default" in prose

@@ -938,7 +938,8 @@ def _mean_ci(values: list[float]) -> tuple[float, float, float]:
 
 
 def _ci(mean: float, lo: float, hi: float, fmt=lambda x: f"{x:.3f}") -> str:
-    return f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]"
+    """'mean [lo, hi]', minus signs typeset."""
+    return f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]".replace("-", "−")
 
 
 @cache
@@ -1177,13 +1178,13 @@ def _():
                      f"({g['verdict']}, gain {signed(g['mean_difference'])}); {against}.")
         if v is not None:  # the declared rule: own gain CONFIRMED and EQUIVALENT to the reference or better
             ok = trains and v["verdict"] in ("EQUIVALENT", "CONFIRMED")
-            verdicts["converge" if ok else "worse" if v["verdict"] == "REFUTED" or not trains else "undecided"].append(
-                cond["name"])
+            worse = "REFUTED" in (v["verdict"], g["verdict"])
+            verdicts["converge" if ok else "worse" if worse else "undecided"].append(cond["name"])
     return (f"What the data shows ({c['compared']} settings compared with {c['reference']}; the verdicts are "
             "`rollmarket stats`', each\ncomparison Holm-corrected over its one metric only; the Holm column above "
             "corrects across the settings):\n\n" + "\n".join(lines)
             + f"\n\nAgainst the rule declared above (own gain CONFIRMED, and EQUIVALENT to {c['reference']} or "
-              f"better): still converge: {', '.join(verdicts['converge']) or 'none'}; worse or no gain: "
+              f"better): still converge: {', '.join(verdicts['converge']) or 'none'}; worse: "
               f"{', '.join(verdicts['worse']) or 'none'}; not decided by these seeds: "
               f"{', '.join(verdicts['undecided']) or 'none'}.")
 

@@ -255,4 +255,4 @@ def test_experiment_c_blocks_compare_each_threshold_setting_with_the_reference(t
     assert "- **strict**: trains (CONFIRMED" in prose and "worse than default" in prose
     assert "- **open**: trains" in prose and "equivalent to default within ±0.05" in prose
     assert "not significant after Holm across the 2 settings" in prose
-    assert ("still converge: open; worse or no gain: strict; not decided by these seeds: none." in prose)
+    assert "still converge: open; worse: strict; not decided by these seeds: none." in prose

@@ -16,6 +16,7 @@ EXP=/tmp/exp14
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 A_CMD="rollmarket campaign configs/exp-a-campaign.toml --out $EXP/exp-a2 --parallel ${A_PARALLEL:-16}"
 C_CMD="rollmarket campaign configs/exp-c-campaign.toml --out $EXP/exp-c --parallel ${C_PARALLEL:-30}"
+B_CMD="rollmarket campaign configs/exp-b-campaign.toml --out $EXP/exp-b --parallel ${B_PARALLEL:-24}"
 case "$1" in
 start)
   if ls .whl/*.whl > /dev/null 2>&1; then
@@ -25,22 +26,25 @@ start)
   which="${2:-ac}"
   case "$which" in *a*) setsid nohup python3 -m rollmarket ${A_CMD#rollmarket } > $EXP/a.log 2>&1 < /dev/null & ;; esac
   case "$which" in *c*) setsid nohup python3 -m rollmarket ${C_CMD#rollmarket } > $EXP/c.log 2>&1 < /dev/null & ;; esac
+  case "$which" in *b*) setsid nohup python3 -m rollmarket ${B_CMD#rollmarket } > $EXP/b.log 2>&1 < /dev/null & ;; esac
   sleep 5; tail -3 $EXP/*.log
   ;;
 wait)
   end=$((SECONDS + $2))
   while [ $SECONDS -lt $end ]; do
     a=$(ls $EXP/exp-a2/runs/*/*/summary.json 2>/dev/null | wc -l); c=$(ls $EXP/exp-c/runs/*/*/summary.json 2>/dev/null | wc -l)
-    echo "$(date -u +%T) exp-a2 $a/16 exp-c $c/30 load $(cut -d' ' -f1 /proc/loadavg)"
+    b=$(ls $EXP/exp-b/runs/*/*/summary.json 2>/dev/null | wc -l)
+    echo "$(date -u +%T) exp-a2 $a/16 exp-b $b/24 exp-c $c/30 load $(cut -d' ' -f1 /proc/loadavg) mem $(free -g | awk '/Mem/{print $3"/"$2}')G"
     if ! pgrep -f "rollmarket campaign configs/exp-" > /dev/null; then echo "no campaign process left"; break; fi
     sleep 30
   done
   tail -5 $EXP/*.log
   mkdir -p $OUT/results
-  for name in exp-a2 exp-c; do
+  for name in exp-a2 exp-b exp-c; do
     [ -d $EXP/$name ] || continue
     case $name in exp-a2) cmd=$A_CMD; q="Does a short CPU run raise held-out sampled pass@1, and is it the reward?";;
-                  exp-c) cmd=$C_CMD; q="Which gate thresholds still let training converge when rollouts drift?";; esac
+                  exp-c) cmd=$C_CMD; q="Which gate thresholds still let training converge when rollouts drift?";;
+                  exp-b) cmd=$B_CMD; q="Does engine drift change what training reaches?";; esac
     python3 -m rollmarket stats $EXP/$name > $EXP/$name.stats.txt 2>&1
     python3 -m rollmarket stats $EXP/$name --before-after > $EXP/$name.before-after.txt 2>&1
     python3 experiments/pack_campaign.py $EXP/$name $OUT/results/$name --question "$q" --command "$cmd" \

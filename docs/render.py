@@ -881,6 +881,314 @@ def _():
     )
 
 
+# ---- issue 14: experiments (a) on tiny-start with its shuffled-reward control, and (c) ---------------
+
+EXP_A2 = "experiments/results/exp-a2"
+EXP_C = "experiments/results/exp-c"
+GATE_TIERS = ("train", "train_with_correction", "replay", "quarantine")
+
+
+def pending(path: str, config: str) -> str:
+    """What a block says while its campaign's raw directory is not committed: no number."""
+    return (f"Not run yet at full size: `{config}`'s campaign directory is not committed under `{path}/`, "
+            "so this section\nquotes no number yet. Run the campaign, commit its directory with a "
+            "`manifest.json`, and `python docs/render.py`\nfills it in.")
+
+
+def _committed_campaign(path: str):
+    """The campaign committed at `path` (stats.py's Campaign), every file in it counted as read;
+    None while it is not committed."""
+    from rollmarket.research.stats import load_campaign
+
+    root = ROOT / path
+    if not (root / "campaign.json").is_file():
+        return None
+    campaign = load_campaign(root)
+    for file in sorted(root.rglob("*")):  # read by the statistics below: results a doc uses
+        if file.is_file() and file.name != "manifest.json":
+            LOADED.add(str(file.relative_to(ROOT)))
+    return campaign
+
+
+def _run_minutes(run) -> float | None:
+    summary = run.path / "summary.json"
+    return json.loads(summary.read_text())["minutes"] if summary.is_file() else None
+
+
+def _gate_shares(run) -> dict[str, float]:
+    """The share of the run's judged groups (every step's) the gate sent to each tier."""
+    rows = [r for r in run.rows if r.get("step", 0) > 0]
+    groups = sum(r.get("num_groups") or 0 for r in rows)
+    return {tier: (sum(r.get(f"gate/{tier}") or 0 for r in rows) / groups if groups else math.nan)
+            for tier in GATE_TIERS}
+
+
+def _run_mean(run, key: str) -> float:
+    """The mean over the run's training steps of a per-step figure (steps without it left out)."""
+    values = [r[key] for r in run.rows if r.get("step", 0) > 0 and r.get(key) is not None]
+    return statistics.mean(values) if values else math.nan
+
+
+def _mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """Mean and 95% t interval of per-seed values (stats.py's t_interval)."""
+    from rollmarket.research.stats import t_interval
+
+    lo, hi = t_interval(values)
+    return statistics.mean(values), lo, hi
+
+
+def _ci(mean: float, lo: float, hi: float, fmt=lambda x: f"{x:.3f}") -> str:
+    """'mean [lo, hi]', minus signs typeset."""
+    return f"{fmt(mean)} [{fmt(lo)}, {fmt(hi)}]".replace("-", "−")
+
+
+@cache
+def exp_a2() -> dict | None:
+    """Experiment (a) of issue 14: each condition against itself before training (`rollmarket stats
+    --before-after`) and grpo against the shuffled control (`rollmarket stats`), recomputed here."""
+    from rollmarket.research.stats import campaign_report, report_dict
+
+    campaign = _committed_campaign(EXP_A2)
+    if campaign is None:
+        return None
+    gains = {c["candidate"]: c["metrics"] for c in
+             report_dict(campaign_report(campaign, before_after=True))["comparisons"]}
+    versus = report_dict(campaign_report(campaign))["comparisons"]
+    minutes = [m for runs in campaign.runs.values() for m in map(_run_minutes, runs) if m is not None]
+    return {"manifest": load(f"{EXP_A2}/manifest.json"), "campaign": campaign, "gains": gains, "versus": versus,
+            "minutes": minutes}
+
+
+@block("exp-a2-provenance")
+def _():
+    a = exp_a2()
+    if a is None:
+        return pending(EXP_A2, "configs/exp-a-campaign.toml")
+    m = a["manifest"]
+    return (f"Raw results: `{EXP_A2}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
+            f"Code: {m['code']}.")
+
+
+@block("exp-a2-seeds")
+def _():
+    a = exp_a2()
+    if a is None:
+        return ""  # exp-a2-provenance says why
+    primary = {name: metrics[0] for name, metrics in a["gains"].items()}
+    conditions = list(primary)
+    seeds = primary[conditions[0]]["seeds"]
+    out = []
+    for i, seed in enumerate(seeds):
+        cells = [str(seed)]
+        for name in conditions:
+            m = primary[name]
+            j = m["seeds"].index(seed) if seed in m["seeds"] else None
+            cells.append("–" if j is None else
+                         f"{m['baseline_values'][j]:.3f} → {m['candidate_values'][j]:.3f} "
+                         f"({signed(m['differences'][j])})")
+        out.append(cells)
+    metric = primary[conditions[0]]["metric"]
+    return table(["seed", *[f"{name}: `{metric}` before → after (gain)" for name in conditions]],
+                 ["l"] * (1 + len(conditions)), out)
+
+
+def _verdict_rows(label: str, metrics: list[dict]) -> list[list[str]]:
+    rows = []
+    for m in metrics:
+        lo, hi = m["t_interval"]
+        boot = m["two_way_bootstrap"]
+        tost = m["equivalence"]
+        rows.append([label, f"`{m['metric']}`", str(m["n_seeds"]), signed(m["mean_difference"]),
+                     f"[{signed(lo)}, {signed(hi)}]",
+                     f"[{signed(boot['lo'])}, {signed(boot['hi'])}]" if boot else "–",
+                     f"{_p(m['sign_flip']['p'])} ({_p(m['p_holm'])})",
+                     f"{_p(tost['p_holm'])} (±{tost['margin']:g})" if tost else "–",
+                     bold(m["verdict"], m["verdict"] in ("CONFIRMED", "EQUIVALENT"))])
+    return rows
+
+
+@block("exp-a2-gains")
+def _():
+    a = exp_a2()
+    if a is None:
+        return ""
+    out = []
+    for name, metrics in a["gains"].items():
+        out += _verdict_rows(f"{name}: after vs before", metrics)
+    for c in a["versus"]:
+        out += _verdict_rows(f"{c['candidate']} vs {c['baseline']}", c["metrics"])
+    return table(["comparison", "metric", "seeds", "Δ", "95% t interval", "95% two-way (seed, task) bootstrap",
+                  "exact sign-flip p (Holm)", "TOST p (margin)", "verdict"], list("llrrlllll"), out)
+
+
+@block("exp-a2-prose")
+def _():
+    a = exp_a2()
+    if a is None:
+        return ""
+    lines = []
+    for name, metrics in a["gains"].items():
+        m = metrics[0]
+        rises = sum(d > 0 for d in m["differences"])
+        lines.append(f"- **{name}**: `{m['metric']}` rose in {rises} of {m['n_seeds']} seeds, mean "
+                     f"{signed(m['mean_difference'])}; **{m['verdict']}**: {m['reason']}")
+    for c in a["versus"]:
+        m = c["metrics"][0]
+        lines.append(f"- **{c['candidate']} vs {c['baseline']}**: **{m['verdict']}**: {m['reason']}")
+    grpo = a["gains"].get("grpo", [None])[0]
+    goal = ""
+    if grpo is not None:
+        met = grpo["verdict"] == "CONFIRMED" and grpo["t_interval"][0] >= 0.20
+        goal = (f"\n\nAgainst the goal (a gain of ≥ 0.20 held-out pass@1): the grpo gain's 95% t interval starts at "
+                f"{signed(grpo['t_interval'][0])}, so the goal is {'met' if met else 'not shown'}"
+                f"{'' if met else ' (its lower end is below 0.20)' if grpo['verdict'] == 'CONFIRMED' else ''}.")
+    minutes = a["minutes"]
+    timing = (f" Runs took {span(f'{min(minutes):.1f}', f'{max(minutes):.1f}')} min each on the machine above "
+              "(summary.json); the ≤ 10 min budget is for one run alone on the 2-core box.") if minutes else ""
+    return "What the data shows:\n\n" + "\n".join(lines) + goal + timing
+
+
+@cache
+def exp_c() -> dict | None:
+    """Experiment (c): every threshold setting against the reference (`rollmarket stats`), each
+    against itself before training (`--before-after`), what the gate did, and the runs' minutes."""
+    from rollmarket.research.stats import campaign_report, holm, report_dict
+
+    campaign = _committed_campaign(EXP_C)
+    if campaign is None:
+        return None
+    versus = report_dict(campaign_report(campaign))
+    gains = {c["candidate"]: c["metrics"][0] for c in
+             report_dict(campaign_report(campaign, before_after=True))["comparisons"]}
+    reference = versus["baseline"]
+    by_candidate = {c["candidate"]: c["metrics"][0] for c in versus["comparisons"]}
+    names = list(by_candidate)
+    adjusted = holm([by_candidate[n]["sign_flip"]["p"] for n in names]) if names else []
+    conditions = []
+    runs_of = {name: {r.seed: r for r in campaign.runs[name]} for name in campaign.conditions}
+    for name in campaign.conditions:
+        runs = [runs_of[name][s] for s in sorted(runs_of[name])]
+        gate = ((runs[0].config or {}).get("config") or {}).get("gate", {}) if runs else {}
+        shares = [_gate_shares(r) for r in runs]
+        minutes = [m for m in map(_run_minutes, runs) if m is not None]
+        ref_minutes = {s: _run_minutes(r) for s, r in runs_of[reference].items()}
+        ref_quarantine = {s: _gate_shares(r)["quarantine"] for s, r in runs_of[reference].items()}
+        paired = [s for s in sorted(runs_of[name]) if s in runs_of[reference]]
+        conditions.append({
+            "name": name, "reference": name == reference, "gate": gate, "gain": gains[name],
+            "final": gains[name]["candidate_values"],
+            "versus": by_candidate.get(name),
+            "p_holm_across": adjusted[names.index(name)] if name in by_candidate else None,
+            "shares": {t: [s[t] for s in shares] for t in GATE_TIERS},
+            "token_ess": [_run_mean(r, "mismatch/token_ess_mean") for r in runs],
+            "lag": [_run_mean(r, "policy_lag/mean") for r in runs],
+            "minutes": minutes,
+            "quarantine_vs_reference": [_gate_shares(runs_of[name][s])["quarantine"] - ref_quarantine[s]
+                                        for s in paired],
+            "minutes_vs_reference": [_run_minutes(runs_of[name][s]) - ref_minutes[s] for s in paired
+                                     if ref_minutes[s] is not None and _run_minutes(runs_of[name][s]) is not None],
+        })
+    return {"manifest": load(f"{EXP_C}/manifest.json"), "reference": reference, "conditions": conditions,
+            "compared": len(names), "alpha": versus["settings"]["alpha"]}
+
+
+@block("exp-c-provenance")
+def _():
+    c = exp_c()
+    if c is None:
+        return pending(EXP_C, "configs/exp-c-campaign.toml")
+    m = c["manifest"]
+    return (f"Raw results: `{EXP_C}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
+            f"Code: {m['code']}.")
+
+
+@block("exp-c-pass")
+def _():
+    c = exp_c()
+    if c is None:
+        return ""  # exp-c-provenance says why
+    out = []
+    for cond in c["conditions"]:
+        v, g = cond["versus"], cond["gain"]
+        glo, ghi = g["t_interval"]
+        row = [bold(cond["name"], cond["reference"]), f"{cond['gate'].get('min_ess', '–')}",
+               f"{cond['gate'].get('max_policy_lag', '–')}", _ci(*_mean_ci(cond["final"])),
+               f"{signed(g['mean_difference'])} [{signed(glo)}, {signed(ghi)}] {g['verdict']}"]
+        if v is None:
+            row += ["reference", "–", "–", "–"]
+        else:
+            lo, hi = v["t_interval"]
+            tost = v["equivalence"]
+            row += [f"{signed(v['mean_difference'])} [{signed(lo)}, {signed(hi)}]",
+                    f"{_p(v['sign_flip']['p'])} ({_p(cond['p_holm_across'])})",
+                    f"{_p(tost['p'])}" if tost else "–", bold(v["verdict"], v["verdict"] != "INCONCLUSIVE")]
+        out.append(row)
+    metric = c["conditions"][0]["gain"]["metric"]
+    return table(["condition", "gate.min_ess", "gate.max_policy_lag", f"`{metric}` mean [95% t]",
+                  "gain from before training [95% t], verdict", f"Δ vs {c['reference']} [95% t]",
+                  f"exact p (Holm across {c['compared']})", "TOST p", "verdict vs reference"],
+                 list("lrrllllll"), out)
+
+
+@block("exp-c-gate")
+def _():
+    c = exp_c()
+    if c is None:
+        return ""  # exp-c-provenance says why
+    out = []
+    for cond in c["conditions"]:
+        cells = [bold(cond["name"], cond["reference"])]
+        cells += [_ci(*_mean_ci(cond["shares"][t]), fmt=lambda x: f"{x:.2f}") for t in GATE_TIERS]
+        cells += [_ci(*_mean_ci(cond["token_ess"]), fmt=lambda x: f"{x:.3f}"),
+                  _ci(*_mean_ci(cond["lag"]), fmt=lambda x: f"{x:.2f}")]
+        dq, dm = cond["quarantine_vs_reference"], cond["minutes_vs_reference"]
+        cells.append("reference" if cond["reference"] else _ci(*_mean_ci(dq), fmt=lambda x: signed(x, 2)))
+        cells.append(_ci(*_mean_ci(cond["minutes"]), fmt=lambda x: f"{x:.1f}") if len(cond["minutes"]) > 1 else "–")
+        cells.append("reference" if cond["reference"] else
+                     _ci(*_mean_ci(dm), fmt=lambda x: signed(x, 1)) if len(dm) > 1 else "–")
+        out.append(cells)
+    return table(["condition", "share trained", "with correction", "replayed", "quarantined",
+                  "token ESS (step mean)", "policy lag (step mean)", f"Δ quarantined vs {c['reference']}",
+                  "minutes", f"Δ minutes vs {c['reference']}"], ["l"] * 10, out)
+
+
+@block("exp-c-prose")
+def _():
+    c = exp_c()
+    if c is None:
+        return ""
+    alpha = c["alpha"]
+    lines, verdicts = [], {"converge": [], "worse": [], "undecided": []}
+    for cond in c["conditions"]:
+        g, v = cond["gain"], cond["versus"]
+        trains = g["verdict"] == "CONFIRMED"
+        if v is None:
+            against = "the reference"
+        elif v["verdict"] == "REFUTED":
+            against = f"worse than {c['reference']} ({v['reason']})"
+            if cond["p_holm_across"] >= alpha:
+                against += f"; not significant after Holm across the {c['compared']} settings"
+        elif v["verdict"] == "EQUIVALENT":
+            against = f"equivalent to {c['reference']} within ±{v['equivalence']['margin']:g}"
+        elif v["verdict"] == "CONFIRMED":
+            against = f"better than {c['reference']}"
+        else:
+            against = f"not distinguishable from {c['reference']} ({v['reason']})"
+        lines.append(f"- **{cond['name']}**: {'trains' if trains else 'no gain shown'} "
+                     f"({g['verdict']}, gain {signed(g['mean_difference'])}); {against}.")
+        if v is not None:  # the declared rule: own gain CONFIRMED and EQUIVALENT to the reference or better
+            ok = trains and v["verdict"] in ("EQUIVALENT", "CONFIRMED")
+            worse = "REFUTED" in (v["verdict"], g["verdict"])
+            verdicts["converge" if ok else "worse" if worse else "undecided"].append(cond["name"])
+    return (f"What the data shows ({c['compared']} settings compared with {c['reference']}; the verdicts are "
+            "`rollmarket stats`', each\ncomparison Holm-corrected over its one metric only; the Holm column above "
+            "corrects across the settings):\n\n" + "\n".join(lines)
+            + f"\n\nAgainst the rule declared above (own gain CONFIRMED, and EQUIVALENT to {c['reference']} or "
+              f"better): still converge: {', '.join(verdicts['converge']) or 'none'}; worse: "
+              f"{', '.join(verdicts['worse']) or 'none'}; not decided by these seeds: "
+              f"{', '.join(verdicts['undecided']) or 'none'}.")
+
+
 # ---- the shipped starting checkpoint (docs/models.md) ------------------------------------------------
 
 START = "models/tiny-start/build_report.json"

@@ -127,3 +127,134 @@ def test_every_result_keeps_its_machine_and_date():
         assert named, doc
         for text in named:
             assert re.search(r"Machine: \S", text) and re.search(r"Date: 2\d{3}-\d\d-\d\d", text), text
+
+
+# -- issue 14: experiments (a) with its shuffled-reward control, and (c) --------------------------
+# Small campaign directories written here with hand-chosen per-task passes (2 held-out tasks × 16
+# samples, so a run's pass@1 is correct samples / 32); the blocks must show what an independent
+# computation (scipy's t interval, the 2^n sign flips enumerated here) gives for them.
+
+
+def _write_campaign(root: Path, name: str, stats: dict, runs: dict, gate: dict | None = None) -> None:
+    """runs: {(condition, seed): (correct before, correct after, minutes, quarantined groups)} out of
+    32 samples; each run has 2 steps of 4 groups, the last with the final evaluation."""
+    conditions = list(dict.fromkeys(c for c, _ in runs))
+    entries = []
+    for (condition, seed), (before, after, minutes, quarantined) in runs.items():
+        rel = f"runs/{condition}__s{seed}/20261126T1900{seed:02d}Z-{condition[:6]}"
+        run = root / rel
+        run.mkdir(parents=True)
+        cfg = {"eval": {"samples": 16}, "labels": {"condition": condition, "seed": seed},
+               "gate": (gate or {}).get(condition, {"min_ess": 0.3, "max_policy_lag": 8})}
+        (run / "config.json").write_text(json.dumps({"config": cfg}))
+        label = {"condition": condition, "seed": seed}
+        rows = [{"step": 0, "eval/pass@1": before / 32, **label},
+                {"step": 1, "num_groups": 4, "gate/train": 4 - quarantined, "gate/train_with_correction": 0,
+                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": 0.99,
+                 "policy_lag/mean": 1.0, **label},
+                {"step": 2, "num_groups": 4, "gate/train": 4 - quarantined, "gate/train_with_correction": 0,
+                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": 0.97,
+                 "policy_lag/mean": 2.0, "eval/pass@1": after / 32, **label}]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        evals = []
+        for step, correct in ((0, before), (2, after)):
+            first = min(correct, 16)  # task 0 gets the first 16 correct samples, task 1 the rest
+            for task, k in (("t0", first), ("t1", correct - first)):
+                evals.append({"step": step, "task_id": task, "greedy_passed": k > 8,
+                              "sampled_passed": [i < k for i in range(16)]})
+        (run / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+        (run / "summary.json").write_text(json.dumps({"minutes": minutes, "steps": 2, **label}))
+        entries.append({"condition": condition, "seed": seed, "dir": rel, "status": "done"})
+    (root / "campaign.json").write_text(json.dumps({
+        "name": name, "conditions": [{"name": c, "overrides": {}} for c in conditions], "seeds": [],
+        "seed_mode": "all", "stats": stats, "runs": entries}))
+    (root / "manifest.json").write_text(json.dumps({"source": "a test's campaign", "machine": "the test",
+                                                    "date": "2026-11-26", "code": "git test"}))
+
+
+def _exact_p(d: list[float]) -> float:
+    sums = [abs(sum(x if (k >> i) & 1 else -x for i, x in enumerate(d))) for k in range(2 ** len(d))]
+    return sum(s >= abs(sum(d)) - 1e-12 for s in sums) / 2 ** len(d)
+
+
+def _interval(d: list[float]) -> str:
+    from scipy import stats as sps
+
+    lo, hi = sps.ttest_1samp(d, 0).confidence_interval(0.95)
+    return f"[{lo:+.3f}, {hi:+.3f}]".replace("-", "−")
+
+
+def test_experiment_a2_blocks_give_each_conditions_gain_and_grpo_against_the_control(tmp_path, monkeypatch):
+    render = renderer()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    assert "Not run yet" in render.BLOCKS["exp-a2-provenance"]() and render.BLOCKS["exp-a2-gains"]() == ""
+    grpo_after = [16, 18, 15, 17, 20, 16, 19, 18]     # from 8/32 before, every seed
+    shuffled_after = [8, 9, 7, 8, 8, 7, 9, 8]
+    runs = {("grpo", s): (8, a, 6.0, 0) for s, a in enumerate(grpo_after)}
+    runs |= {("shuffled", s): (8, a, 6.5, 0) for s, a in enumerate(shuffled_after)}
+    _write_campaign(tmp_path / "experiments/results/exp-a2", "exp-a2",
+                    {"metrics": ["eval/pass@1@final"], "baseline": "shuffled", "equivalence_margin": 0.05}, runs)
+    render.exp_a2.cache_clear()  # it was read above, before the campaign existed
+
+    gains = render.BLOCKS["exp-a2-gains"]()
+    grpo = [(a - 8) / 32 for a in grpo_after]
+    shuffled = [(a - 8) / 32 for a in shuffled_after]
+    versus = [(g - s) / 32 for g, s in zip(grpo_after, shuffled_after)]
+    # grpo: all 8 gains positive, so p = 2/256; mean 75/256 = 0.293.
+    assert _exact_p(grpo) == 2 / 256
+    assert (f"| grpo: after vs before | `eval/pass@1@final` | 8 | +0.293 | {_interval(grpo)} |" in gains
+            and "| 0.0078 (0.0078) |" in gains and "**CONFIRMED**" in gains)
+    # The control: gains 0, ±1/32 summing to 0 (p = 1); its 90% t interval ±0.016 lies inside ±0.05.
+    row = next(line for line in gains.splitlines() if line.startswith("| shuffled: after vs before"))
+    assert f"| 8 | +0.000 | {_interval(shuffled)} |" in row and "| 1.0000 (1.0000) |" in row
+    assert row.endswith("| **EQUIVALENT** |")
+    row = next(line for line in gains.splitlines() if line.startswith("| grpo vs shuffled"))
+    assert f"| {sum(versus) / 8:+.3f} | {_interval(versus)} |" in row and "**CONFIRMED**" in row
+    seeds = render.BLOCKS["exp-a2-seeds"]()
+    assert "| 4 | 0.250 → 0.625 (+0.375) | 0.250 → 0.250 (+0.000) |" in seeds
+    prose = render.BLOCKS["exp-a2-prose"]()
+    # The goal: the grpo interval's lower end (0.249 by hand: 9.375/32 − 2.365·0.0527/√8) ≥ 0.20.
+    assert "rose in 8 of 8 seeds" in prose and "the goal is met" in prose
+    assert "Runs took 6.0–6.5 min each" in prose
+    assert "Machine: the test. Date: 2026-11-26." in render.BLOCKS["exp-a2-provenance"]()
+
+
+def test_experiment_c_blocks_compare_each_threshold_setting_with_the_reference(tmp_path, monkeypatch):
+    render = renderer()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    # default trains (8 → 14..16 of 32); open is the same; strict quarantines 3 of 4 groups a step and
+    # gains less (8 → 9..11): worse than the defaults in all 6 seeds.
+    default_after, strict_after = [14, 15, 16, 14, 15, 16], [9, 10, 11, 9, 10, 10]
+    runs = {("default", s): (8, a, 5.0 + s / 10, 0) for s, a in enumerate(default_after)}
+    runs |= {("open", s): (8, a, 5.0 + s / 10, 0) for s, a in enumerate(default_after)}
+    runs |= {("strict", s): (8, a, 4.0 + s / 10, 3) for s, a in enumerate(strict_after)}
+    gate = {"default": {"min_ess": 0.3, "max_policy_lag": 8}, "open": {"min_ess": 0.0, "max_policy_lag": 1000},
+            "strict": {"min_ess": 0.9, "max_policy_lag": 1}}
+    _write_campaign(tmp_path / "experiments/results/exp-c", "exp-c",
+                    {"metrics": ["eval/pass@1@final"], "baseline": "default", "equivalence_margin": 0.05}, runs, gate)
+
+    table = render.BLOCKS["exp-c-pass"]().splitlines()
+    strict = next(line for line in table if line.startswith("| strict |"))
+    d = [(s - a) / 32 for s, a in zip(strict_after, default_after)]
+    assert _exact_p(d) == 2 / 64  # every seed worse
+    finals = [a / 32 for a in strict_after]
+    assert f"| 0.9 | 1 | {sum(finals) / 6:.3f} {_interval(finals).replace('+', '')} |" in strict
+    assert f"| {sum(d) / 6:+.3f} {_interval(d)} |".replace("-", "−") in strict
+    # Holm across the 2 settings compared: open's p is 1 (no difference), strict's 2/64 → 2 · 2/64.
+    assert "| 0.0312 (0.0625) |" in strict and strict.endswith("| **REFUTED** |")
+    open_ = next(line for line in table if line.startswith("| open |"))
+    assert "| 0.0 | 1000 |" in open_ and "**EQUIVALENT**" in open_ and "| **default** |" in table[2]
+    gate_table = render.BLOCKS["exp-c-gate"]()
+    strict_gate = next(line for line in gate_table.splitlines() if line.startswith("| strict |"))
+    # 1 of 4 groups trained and 3 quarantined every step; 0.75 more quarantined than default;
+    # minutes 4.0..4.5 vs 5.0..5.5: one minute less in every seed.
+    # Token ESS 0.99 and 0.97 at the two steps: 0.980; lag 1 and 2: 1.50.
+    assert strict_gate.startswith("| strict | 0.25 [0.25, 0.25] | 0.00 [0.00, 0.00] | 0.00 [0.00, 0.00] | "
+                                  "0.75 [0.75, 0.75] | 0.980 [0.980, 0.980] | 1.50 [1.50, 1.50] | "
+                                  "+0.75 [+0.75, +0.75] | 4.2 [")
+    assert strict_gate.endswith("| −1.0 [−1.0, −1.0] |")
+    prose = render.BLOCKS["exp-c-prose"]()
+    assert "- **strict**: trains (CONFIRMED" in prose and "worse than default" in prose
+    assert "- **open**: trains" in prose and "equivalent to default within ±0.05" in prose
+    assert "not significant after Holm across the 2 settings" in prose
+    assert "still converge: open; worse: strict; not decided by these seeds: none." in prose

@@ -184,6 +184,8 @@ def test_local_closed_loop_trains_publishes_and_workers_reload(tmp_path):
         # Defaults: no planning detector, transform none, no reference: those figures are null.
         assert row["plan_entropy_mean"] is None and row["plan_token_fraction"] is None
         assert row["sepa_lambda"] is None and row["actor/kl_ref"] is None
+        assert row["reward_shuffle/changed_fraction"] is None  # no shuffle: the figure does not apply
+    assert all(g["trained_reward"] == g["reward"] for g in generations)
     assert {"step", "prompt", "response", "reward", "tokens", "decision"} <= generations[0].keys()
     assert all(g["tokens"] > 0 and g["response"] for g in generations)
     saved = json.loads((run_dir / "config.json").read_text())["config"]

@@ -139,6 +139,13 @@ class AlgorithmSection(_Section):
         return self.norm_len if self.norm_len is not None else rollout.max_tokens * agent.max_turns
 
 
+class RewardSection(_Section):
+    shuffle: Literal["none", "batch"] = Field(
+        "none", description="batch: the shuffled-reward control: each step's rewards are permuted across all "
+                            "its groups' runs before the advantages (seeded by rollout.sampling_seed and the "
+                            "step), so rewards say nothing about their responses; none: each run keeps its own.")
+
+
 class CorrectionSection(_Section):
     when: Literal["gate", "always", "never"] = Field(
         "gate", description="gate: IS correction on for groups the gate marks train_with_correction (and "
@@ -275,6 +282,7 @@ class TrainConfig(_Section):
     rollout: RolloutSection = RolloutSection()
     agent: AgentSection = AgentSection()
     algorithm: AlgorithmSection = AlgorithmSection()
+    reward: RewardSection = RewardSection()
     correction: CorrectionSection = CorrectionSection()
     optim: OptimSection = OptimSection()
     lora: LoraSettings = LoraSettings()

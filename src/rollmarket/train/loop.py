@@ -53,9 +53,11 @@ import numpy as np
 import torch
 
 from ..client import Conflict, ExchangeError, TrainerClient
-from ..contracts import DecisionStatus, GroupDecision, PolicyManifest, RolloutJob, SamplingConfig, Tier
+from ..contracts import (DecisionStatus, GroupDecision, PolicyManifest, RolloutJob, SampleGroup, SamplingConfig, Tier,
+                         Trajectory)
 from ..engines.precision import Precision
 from ..engines.provenance import checkpoint_digest
+from ..engines.teacher import TeacherForced
 from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
 from ..observatory.offpolicy import FIGURE_NAMES
@@ -66,6 +68,7 @@ from .advantages import compute_advantages
 from .batch import Datum
 from .config import TrainConfig, TrainConfigError, resolve, validate
 from .failpoints import Failpoint
+from .reward_shuffle import changed_fraction, shuffle_batch_rewards, shuffle_seed
 from .reward_stats import reward_tie_stats
 
 CORRECT_REWARD = 1.0
@@ -106,6 +109,26 @@ class StepGroups:
     mismatch: dict = dataclasses.field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
     generations: list[dict] = dataclasses.field(default_factory=list)
     tokens_used: int = 0
+    judged_groups: list["JudgedGroup"] = dataclasses.field(default_factory=list)
+    """Every judged group with its scores and decision, until the step's advantages are taken."""
+    shuffle_changed: float | None = None
+    """reward.shuffle: share of the runs trained with a reward other than their own (None: no shuffle)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JudgedGroup:
+    """One group the gate decided: its trajectories' π_old scores, and whether and how it trains."""
+
+    group: SampleGroup
+    runs: list[tuple[Trajectory, TeacherForced]]
+    """Each trajectory with the trainer's teacher-forced π_old scores of it, by sample index."""
+    status: DecisionStatus
+    use: bool
+    """Trained on: a usable decision (replay only with loop.replay)."""
+    corrected: bool
+    """Trained with the IS correction."""
+    lag: int
+    """The group's policy lag when fetched."""
 
 
 @dataclasses.dataclass
@@ -330,38 +353,57 @@ class Trainer:
         if report.router_flip_rate is not None:
             bucket["router_flip_rate"].append(report.router_flip_rate)
 
-        rewards_G = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages_G = compute_advantages(rewards_G, cfg.algorithm.advantage)
-        out.group_rewards.append(rewards_G.tolist())
         use = status in USABLE and (status is not DecisionStatus.replay or cfg.loop.replay)
         corrected = {"always": True, "never": False}.get(
             cfg.correction.when, status in (DecisionStatus.train_with_correction, DecisionStatus.replay))
-        for t, s, adv in zip(trajectories, scored, advantages_G.tolist()):
+        for t in trajectories:
             out.rewards.append(t.reward)
             out.lengths.append(t.num_response_tokens)
             out.truncated += int(t.finish_reason.value == "length")
-            if self.write_generations:
-                tok = self.learner.loaded.tokenizer
-                valid_T = valid_token_mask(t)
-                delta_T = np.asarray(s.logprobs_T, dtype=np.float64) - np.asarray(t.logprobs, dtype=np.float64)
-                out.generations.append({
-                    "step": step, "group_id": group.group_id, "task_id": group.task_id,
-                    "sample_index": t.sample_index, "policy_version": group.policy_version,
-                    "policy_lag": fetched.current_lag, "worker_id": group.worker_id,
-                    "precision": group.precision_class, "decision": status.value, "used": use and adv != 0.0,
-                    "reward": t.reward, "advantage": adv, "tokens": t.num_response_tokens,
-                    # the gate's clipped_fraction counts these: valid tokens with |Δ| past its clamp
-                    "clipped_tokens": int((np.abs(delta_T[valid_T]) > self.gate.clamp).sum()),
-                    "prompt": tok.decode(t.prompt_token_ids), "response": tok.decode(t.response_token_ids)})
-            if not use or adv == 0.0:
-                continue  # a run that ties its group carries no policy-gradient signal
-            mask_T = valid_token_mask(t)
-            if not mask_T.any():
-                continue
-            out.data.append(Datum(t.prompt_token_ids, t.response_token_ids, t.logprobs, mask_T.astype(np.float32),
-                                  advantage=adv, corrected=corrected, old_logprobs_T=s.logprobs_T))
-            out.advantages.append(adv)
-            out.tokens_used += int(mask_T.sum())
+        runs = sorted(zip(trajectories, scored), key=lambda pair: pair[0].sample_index)
+        out.judged_groups.append(JudgedGroup(group, runs, status, use, corrected, fetched.current_lag))
+
+    def _train_data(self, step: int, out: StepGroups) -> None:
+        """The step's advantages, datums and generations rows, once every group is judged.
+
+        Advantages wait for the whole batch because the shuffled-reward control (reward.shuffle)
+        permutes rewards across the step's groups; groups go in job-id order and each group's runs
+        by sample index, so the permutation does not depend on the order the groups arrived in."""
+        cfg = self.config
+        judged = sorted(out.judged_groups, key=lambda j: j.group.job_id)
+        own = [[t.reward for t, _ in j.runs] for j in judged]
+        trained = shuffle_batch_rewards(own, mode=cfg.reward.shuffle,
+                                        seed=shuffle_seed(cfg.rollout.sampling, step))
+        if cfg.reward.shuffle != "none":
+            out.shuffle_changed = changed_fraction(own, trained)
+        tok = self.learner.loaded.tokenizer
+        for j, rewards in zip(judged, trained):
+            group = j.group
+            advantages_G = compute_advantages(torch.tensor(rewards, dtype=torch.float32), cfg.algorithm.advantage)
+            out.group_rewards.append(rewards)
+            for (t, s), reward, adv in zip(j.runs, rewards, advantages_G.tolist()):
+                mask_T = valid_token_mask(t)
+                if self.write_generations:
+                    delta_T = np.asarray(s.logprobs_T, dtype=np.float64) - np.asarray(t.logprobs, dtype=np.float64)
+                    out.generations.append({
+                        "step": step, "group_id": group.group_id, "task_id": group.task_id,
+                        "sample_index": t.sample_index, "policy_version": group.policy_version,
+                        "policy_lag": j.lag, "worker_id": group.worker_id,
+                        "precision": group.precision_class, "decision": j.status.value,
+                        "used": j.use and adv != 0.0, "reward": t.reward, "trained_reward": reward,
+                        "advantage": adv, "tokens": t.num_response_tokens,
+                        # the gate's clipped_fraction counts these: valid tokens with |Δ| past its clamp
+                        "clipped_tokens": int((np.abs(delta_T[mask_T]) > self.gate.clamp).sum()),
+                        "prompt": tok.decode(t.prompt_token_ids), "response": tok.decode(t.response_token_ids)})
+                if not j.use or adv == 0.0:
+                    continue  # a run that ties its group carries no policy-gradient signal
+                if not mask_T.any():
+                    continue
+                out.data.append(Datum(t.prompt_token_ids, t.response_token_ids, t.logprobs,
+                                      mask_T.astype(np.float32), advantage=adv, corrected=j.corrected,
+                                      old_logprobs_T=s.logprobs_T))
+                out.advantages.append(adv)
+                out.tokens_used += int(mask_T.sum())
 
     def _collect(self, step: int, version: int) -> StepGroups:
         cfg = self.config
@@ -391,6 +433,7 @@ class Trainer:
                     failpoints.reach(Failpoint.between_decisions)
             if not ours:
                 time.sleep(0.2)
+        self._train_data(step, out)
         return out
 
     # -- after the checkpoint -----------------------------------------------------------------------
@@ -573,6 +616,7 @@ class Trainer:
             "num_datums": len(g.data),
             "num_groups": g.groups,
             **reward_tie_stats(g.group_rewards),
+            "reward_shuffle/changed_fraction": g.shuffle_changed,
             "max_token_hit_rate": g.truncated / max(1, len(rewards)),
             "critic/rewards/mean": _mean(rewards) or 0.0,
             "critic/advantages/mean": _mean(g.advantages),  # null when no datum: nothing was trained on

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 14's experiments (a) and (c) on a machine with many CPU cores (the runs use the CPU; one
+# torch thread per process). Wheels for packages that machine lacks travel in .whl/ (as for
+# experiments/device_run.sh).
+#   bash experiments/run_exp14.sh start [a|c|ac]   # start the campaigns in the background
+#   bash experiments/run_exp14.sh wait S           # wait up to S seconds, then pack into $OUT
+# Packing: each finished campaign becomes $OUT/results/exp-a2 or exp-c (experiments/pack_campaign.py:
+# its raw files and a manifest.json naming this machine); unpack with
+#   tar xzf results.tgz -C experiments/results && python docs/render.py
+# A campaign that did not finish is packed raw into $OUT/unfinished.tgz (no checkpoints) and can
+# be resumed where its directory still exists: rollmarket campaign --resume /tmp/exp14/exp-c
+# Parallelism: A_PARALLEL (default 16: every run of (a) at once) and C_PARALLEL (default 30).
+set -u
+cd "$(dirname "$0")/.."
+EXP=/tmp/exp14
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+A_CMD="rollmarket campaign configs/exp-a-campaign.toml --out $EXP/exp-a2 --parallel ${A_PARALLEL:-16}"
+C_CMD="rollmarket campaign configs/exp-c-campaign.toml --out $EXP/exp-c --parallel ${C_PARALLEL:-30}"
+B_CMD="rollmarket campaign configs/exp-b-campaign.toml --out $EXP/exp-b --parallel ${B_PARALLEL:-24}"
+case "$1" in
+start)
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  fi
+  mkdir -p $EXP
+  which="${2:-ac}"
+  case "$which" in *a*) setsid nohup python3 -m rollmarket ${A_CMD#rollmarket } > $EXP/a.log 2>&1 < /dev/null & ;; esac
+  case "$which" in *c*) setsid nohup python3 -m rollmarket ${C_CMD#rollmarket } > $EXP/c.log 2>&1 < /dev/null & ;; esac
+  case "$which" in *b*) setsid nohup python3 -m rollmarket ${B_CMD#rollmarket } > $EXP/b.log 2>&1 < /dev/null & ;; esac
+  sleep 5; tail -3 $EXP/*.log
+  ;;
+wait)
+  end=$((SECONDS + $2))
+  while [ $SECONDS -lt $end ]; do
+    a=$(ls $EXP/exp-a2/runs/*/*/summary.json 2>/dev/null | wc -l); c=$(ls $EXP/exp-c/runs/*/*/summary.json 2>/dev/null | wc -l)
+    b=$(ls $EXP/exp-b/runs/*/*/summary.json 2>/dev/null | wc -l)
+    echo "$(date -u +%T) exp-a2 $a/16 exp-b $b/24 exp-c $c/30 load $(cut -d' ' -f1 /proc/loadavg) mem $(free -g | awk '/Mem/{print $3"/"$2}')G"
+    if ! pgrep -f "rollmarket campaign configs/exp-" > /dev/null; then echo "no campaign process left"; break; fi
+    sleep 30
+  done
+  tail -5 $EXP/*.log
+  mkdir -p $OUT/results
+  for name in exp-a2 exp-b exp-c; do
+    [ -d $EXP/$name ] || continue
+    case $name in exp-a2) cmd=$A_CMD; q="Does a short CPU run raise held-out sampled pass@1, and is it the reward?";;
+                  exp-c) cmd=$C_CMD; q="Which gate thresholds still let training converge when rollouts drift?";;
+                  exp-b) cmd=$B_CMD; q="Does engine drift change what training reaches?";; esac
+    python3 -m rollmarket stats $EXP/$name > $EXP/$name.stats.txt 2>&1
+    python3 -m rollmarket stats $EXP/$name --before-after > $EXP/$name.before-after.txt 2>&1
+    python3 experiments/pack_campaign.py $EXP/$name $OUT/results/$name --question "$q" --command "$cmd" \
+      --note "${NOTE:-}" > /dev/null || echo "$name not packed (unfinished): see unfinished.tgz"
+  done
+  (cd $OUT && tar czf results.tgz -C results . && rm -rf results)
+  (cd $EXP && tar czf $OUT/unfinished.tgz --exclude=checkpoints --exclude=exchange.db --exclude=generations.jsonl \
+     --exclude=workers --exclude=logs --exclude='*.lock' . 2>/dev/null)
+  cp $EXP/*.txt $EXP/*.log $OUT/ 2>/dev/null
+  ls -la $OUT
+  ;;
+esac

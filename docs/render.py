@@ -881,6 +881,206 @@ def _():
     )
 
 
+# ---- experiment (b): engine drift and the training step -----------------------------------------
+
+EXP_B = "experiments/results/exp-b/gradients.json"
+
+
+def _interval(values: list, digits: int = 3) -> str:
+    """mean [95% t interval] of per-replicate values (research/stats.py's interval), n noted."""
+    from rollmarket.research.stats import t_interval
+
+    x = [v for v in values if v is not None]
+    if len(x) < 2:
+        return f"{x[0]:.{digits}f} (n = 1)" if x else "–"
+    lo, hi = t_interval(x)
+    return f"{statistics.mean(x):.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _tost(values: list, margin: float, alpha: float) -> dict:
+    from rollmarket.research.stats import tost
+
+    eq = tost([v for v in values if v is not None], margin, alpha)
+    return {"p": eq.p, "interval": eq.interval, "equivalent": eq.p < alpha}
+
+
+@cache
+def exp_b() -> dict:
+    """Experiment (b)'s gradient result, with the declared tests recomputed from its per-replicate values."""
+    b = load(EXP_B)
+    d = b["declared"]
+    tests = {}
+    for p in ("bf16", "fp8"):
+        rows = b["weights"][p]["per_replicate"]
+        rel = [r["relative_l2"] for r in rows if r["relative_l2"] is not None]
+        cos = [r["cosine"] for r in rows if r["cosine"] is not None]
+        tests[p] = {"rel": rel, "cos": cos,
+                    "tost_rel": _tost(rel, d["margin_relative_l2"], d["alpha"]),
+                    "tost_cos": _tost([1 - c for c in cos], 1 - d["margin_cosine"], d["alpha"])}
+    return {**b, "tests": tests}
+
+
+@block("exp-b-provenance")
+def _():
+    b = exp_b()
+    s = b["settings"]
+    return (f"{provenance(EXP_B, b)} Code: {b['code']}. Model `{s['model']}`, suite `{s['suite']}`, "
+            f"{s['replicates']} replicates × {s['groups']} tasks × {s['group_size']} runs at temperature "
+            f"{s['temperature']}, token TIS cap {s['cap']}; {b['wall_s'] / 60:.1f} min in all.")
+
+
+@block("exp-b-forks")
+def _():
+    b = exp_b()
+    rows = []
+    for key, f in b["forks"].items():
+        positions = [x for r in f.get("per_replicate", [f]) for x in r["fork_positions"] if x is not None]
+        runs, forked = (f["runs"], f["forked"])
+        rows.append([key, str(runs), str(forked), pct(forked / runs, 1) if runs else "–",
+                     f"{statistics.median(positions):.0f}" if positions else "–",
+                     f"{min(positions)}–{max(positions)}" if positions else "–"])
+    return table(["same tasks, same sampling seeds", "agent runs", "forked", "share",
+                  "median fork position (model tokens)", "range"], list("lrrrrr"), rows)
+
+
+@block("exp-b-mismatch")
+def _():
+    b = exp_b()
+    rows = [["fp32 sampler (its own reported logprobs)",
+             _interval([m["mean_abs_delta"] for m in b["sampler_vs_trainer_fp32"]], 7),
+             _interval([m["token_ess"] for m in b["sampler_vs_trainer_fp32"]], 6), "–"]]
+    for p in ("bf16", "fp8"):
+        w = b["weights"][p]
+        rows.append([f"{p}, teacher-forced on the fp32 batch", _interval([m["mean_abs_delta"] for m in w["mismatch"]], 5),
+                     _interval([m["token_ess"] for m in w["mismatch"]], 6),
+                     _interval(w["router_flip_rate"], 4)])
+    return table(["behaviour logprobs vs the fp32 trainer", "mean |Δ| (nats)", "token ESS",
+                  "router top-1 flip rate"], list("lrrr"), rows)
+
+
+@block("exp-b-gradients")
+def _():
+    b = exp_b()
+    rows = []
+
+    def add(label: str, pairs: list[dict]) -> None:
+        rows.append([label, str(sum(x["cosine"] is not None for x in pairs)),
+                     _interval([x["cosine"] for x in pairs]), _interval([x["relative_l2"] for x in pairs])])
+
+    for p in ("bf16", "fp8"):
+        add(f"**weights channel**: fp32 batch, IS on, behaviour from {p} vs from the fp32 sampler",
+            b["weights"][p]["per_replicate"])
+    for key, pairs in b["sampling"].items():
+        add(("**noise floor**: " if "floor" in key else "sampling channel: ") + key, pairs)
+    for p, pairs in b["is_on_vs_off_own_batch"].items():
+        add(f"IS on vs off, {p} batch with {p}'s own logprobs", pairs)
+    return table(["gradients compared (trainer's step, one batch each)", "n", "cosine, mean [95% t]",
+                  "‖a − b‖/‖b‖, mean [95% t]"], list("lrrr"), rows)
+
+
+@block("exp-b-tost")
+def _():
+    b = exp_b()
+    d = b["declared"]
+    rows = []
+    for p, t in b["tests"].items():
+        for label, key, margin in (("‖g_engine − g_fp32‖/‖g_fp32‖", "tost_rel", f"< {d['margin_relative_l2']}"),
+                                   ("1 − cosine", "tost_cos", f"< {1 - d['margin_cosine']:.3f}")):
+            e = t[key]
+            lo, hi = e["interval"]
+            rows.append([p, label, margin, f"[{lo:.4f}, {hi:.4f}]", f"{e['p']:.2g}",
+                         bold("EQUIVALENT", True) if e["equivalent"] else "not shown equivalent"])
+    return table(["engine", "measure (weights channel)", "declared margin", "90% t interval",
+                  "TOST p", "verdict at α = 0.05"], list("llllrl"), rows)
+
+
+@block("exp-b-control")
+def _():
+    b = exp_b()
+    pc = b["positive_control"]
+    rows = []
+    for c in pc["sigmas"]:
+        draws = c["draws"]
+        rows.append([f"{c['sigma']:g}", f"{c['expected_sq_relative_l2']:.2e}",
+                     _interval([x["relative_l2"] ** 2 for x in draws], 6).replace("[", "[").strip(),
+                     f"{math.sqrt(c['expected_sq_relative_l2']):.3f}",
+                     f"{c['expected_mean_abs_delta']:.4f}",
+                     f"{statistics.mean(x['mean_abs_delta'] for x in draws):.4f}",
+                     _interval([x["cosine"] for x in draws], 4)])
+    return (f"On replicate {pc['replicate']}'s fp32 batch ({pc['sequences']} sequences; the per-sequence parts "
+            f"add up to the gradient within {pc['sum_of_parts_relative_l2']:.1e}), "
+            f"{len(pc['sigmas'][0]['draws'])} draws per σ:\n\n"
+            + table(["σ (nats)", "expected E[rel²]", "measured mean rel² [95% t]", "√expected",
+                     "expected mean |Δ|", "measured mean |Δ|", "cosine [95% t]"], list("rrrrrrr"), rows))
+
+
+@block("exp-b-verdict")
+def _():
+    b = exp_b()
+    d = b["declared"]
+    floor = [x["relative_l2"] for x in b["sampling"]["fp32 vs fp32, other seeds (floor)"]]
+    parts = []
+    for p, t in b["tests"].items():
+        verdict = "EQUIVALENT" if t["tost_rel"]["equivalent"] and t["tost_cos"]["equivalent"] else (
+            "not shown equivalent")
+        parts.append(f"{p}: relative change {statistics.mean(t['rel']):.3f} against the noise floor's "
+                     f"{statistics.mean(floor):.2f} (ratio {statistics.mean(t['rel']) / statistics.mean(floor):.3f}); "
+                     f"declared margin {d['margin_relative_l2']}: **{verdict}**")
+    same = all(b["without_is_gradient_unchanged"])
+    return ("Weights channel, per engine — " + "; ".join(parts) + ".\n\n"
+            + ("Without IS the gradient was bit-identical whichever engine's logprobs the batch carried "
+               f"({len(b['without_is_gradient_unchanged'])} of {len(b['without_is_gradient_unchanged'])} checks)"
+               if same else "Without IS the gradient moved with the behaviour logprobs in some checks: a bug")
+            + f"; the weights never moved (max |Δθ| {b['weights_moved_max_abs']:g}).")
+
+
+EXP_B_CAMPAIGN = "experiments/results/exp-b/campaign"
+EXP_B_SMOKE = "experiments/results/exp-b/smoke"
+
+
+@block("exp-b-training")
+def _():
+    """The full campaign when committed, else the local smoke, labelled as such; `rollmarket stats`'
+    comparison (bf16 and fp8 against fp32, TOST at the declared margin) recomputed from its files."""
+    from rollmarket.research.stats import campaign_report, load_campaign, report_dict
+
+    smoke = not (ROOT / EXP_B_CAMPAIGN / "campaign.json").exists()
+    where = EXP_B_SMOKE if smoke else EXP_B_CAMPAIGN
+    root = ROOT / where
+    campaign = load_campaign(root)
+    for file in sorted(root.rglob("*")):
+        if file.is_file() and file.name != "manifest.json":
+            LOADED.add(str(file.relative_to(ROOT)))
+    m = load(f"{where}/manifest.json")
+    report = report_dict(campaign_report(campaign))
+    rows = []
+    for name in campaign.conditions:
+        for run in sorted(campaign.runs[name], key=lambda r: r.seed):
+            summary = json.loads((run.path / "summary.json").read_text())
+            before, after = summary["eval_before"], summary["eval_after"]
+            rows.append([name, str(run.seed), str(summary["steps"]),
+                         f"{before['eval/pass@1']:.3f} → {after['eval/pass@1']:.3f}",
+                         f"{before['eval/accuracy/mean']:.3f} → {after['eval/accuracy/mean']:.3f}"])
+    verdicts = []
+    for c in report["comparisons"]:
+        for x in c["metrics"]:
+            lo, hi = x["t_interval"]
+            eq = x.get("equivalence") or {}
+            verdicts.append([c["candidate"], f"`{x['metric']}`", str(x["n_seeds"]), signed(x["mean_difference"]),
+                             f"[{signed(lo)}, {signed(hi)}]", _p(x["sign_flip"]["p"]),
+                             _p(eq["p"]) if eq else "–", bold(x["verdict"], not smoke)])
+    head = (f"**SMOKE RUN, NOT EVIDENCE** — {m['note']}\n\n" if smoke else "")
+    return (head + f"Raw results: `{where}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
+            f"Code: {m['code']}.\n\n"
+            + table(["condition", "seed", "steps", "held-out sampled pass@1 before → after",
+                     "greedy accuracy before → after"], list("lrrll"), rows)
+            + "\n\nAgainst the fp32 baseline, seed by seed (`rollmarket stats`):\n\n"
+            + table(["candidate", "metric", "seeds", "Δ vs fp32", "95% t interval", "exact sign-flip p",
+                     "TOST p (±margin)", "verdict"], list("llrrlrrl"), verdicts)
+            + "\n\n" + "\n".join(f"- {c['candidate']}, `{x['metric']}`: {x['reason']}"
+                                  for c in report["comparisons"] for x in c["metrics"]))
+
+
 # ---- the two commands ---------------------------------------------------------------------------
 
 def render(text: str) -> str:

@@ -42,7 +42,7 @@ from rollmarket.agents import Agent, AgentSettings, ChatModel, LocalToolbox, Sam
 from rollmarket.engines import RolloutEngine, TrainerEngine
 from rollmarket.engines.loading import load_model
 from rollmarket.observatory.dense import dense_summary
-from rollmarket.research.drift import expected_squared_change, fork_position
+from rollmarket.research.drift import cosine, expected_squared_change, fork_position, relative_l2
 from rollmarket.research.stats import t_interval, tost
 from rollmarket.runs import code_version
 from rollmarket.tasks.suites import load_suite
@@ -51,7 +51,6 @@ from rollmarket.train.batch import Datum
 from rollmarket.train.config import resolve
 from rollmarket.train.learner import Learner
 from rollmarket.train.reference import sample_groups, serve_in_process
-from rollmarket.train.stats import cosine, relative_norm_difference
 from rollmarket.verifiers import verify_trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +190,7 @@ def mismatch(data: list[Datum], behaviour: list[np.ndarray]) -> dict | None:
 def pair(a: np.ndarray | None, b: np.ndarray | None) -> dict:
     if a is None or b is None:
         return {"cosine": None, "relative_l2": None}
-    return {"cosine": cosine(a, b), "relative_l2": relative_norm_difference(a, b)}
+    return {"cosine": cosine(a, b), "relative_l2": relative_l2(a, b)}
 
 
 def summary(values: list[float]) -> dict:
@@ -323,7 +322,7 @@ def main() -> None:
                         "expected_mean_abs_delta": sigma * float(np.sqrt(2 / np.pi))})
     report["positive_control"] = {
         "replicate": first, "sequences": len(d0),
-        "sum_of_parts_relative_l2": relative_norm_difference(np.sum(per_seq, axis=0), base), "sigmas": control}
+        "sum_of_parts_relative_l2": relative_l2(np.sum(per_seq, axis=0), base), "sigmas": control}
 
     # 4. Summaries and the declared tests (the replicate is the unit).
     report["summary"] = {}

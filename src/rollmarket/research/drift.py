@@ -20,7 +20,7 @@ E W and E W² in closed form, with c = ln C and Φ the normal CDF:
     E W  = e^{σ²/2} Φ((c − σ²)/σ) + C · (1 − Φ(c/σ)),
     E W² = e^{2σ²} Φ((c − 2σ²)/σ) + C² · (1 − Φ(c/σ)).
 
-numpy and scipy only (no torch): the experiment script computes the gradients.
+numpy and scipy only (no torch): experiments/exp_b_gradients.py computes the gradients.
 """
 
 from __future__ import annotations
@@ -68,3 +68,15 @@ def expected_squared_change(sigma: float, cap: float, sequence_sq_norms_B: Seque
     variance = m2 - m1 * m1
     return (variance * float(np.sum(sequence_sq_norms_B)) + (m1 - 1.0) ** 2 * total_sq_norm) / total_sq_norm
 
+
+def cosine(a_N: np.ndarray, b_N: np.ndarray) -> float:
+    """a·b / (‖a‖‖b‖); nan when either is zero."""
+    na, nb = float(np.linalg.norm(a_N)), float(np.linalg.norm(b_N))
+    return float(a_N @ b_N / (na * nb)) if na and nb else float("nan")
+
+
+def relative_l2(a_N: np.ndarray, b_N: np.ndarray) -> float:
+    """‖a − b‖ / ‖b‖: how far vector a (a gradient) is from reference b, relative to b's size; nan
+    when b is zero."""
+    nb = float(np.linalg.norm(b_N))
+    return float(np.linalg.norm(a_N - b_N) / nb) if nb else float("nan")

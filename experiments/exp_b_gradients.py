@@ -67,6 +67,11 @@ MARGIN_COSINE = 0.995
 ALPHA = 0.05
 SIGMAS = (0.01, 0.03, 0.1, 0.3, 1.0)
 """Positive control: the per-sequence shifts (nats) injected into the behaviour logprobs."""
+TOKEN_SIGMAS = (0.001, 0.003, 0.01, 0.03, 0.1)
+"""Positive control, token level: independent per-token shifts (nats), around the real engines' |Δ|."""
+PROBE = 0.5
+"""Token-level control: Rademacher probes set each token's weight to 1 ± PROBE (below the cap), so
+E‖Δg‖² = PROBE² · Σ_t ‖h_t‖², the sum over tokens of their parts' squared norms (Hutchinson)."""
 
 
 def batch_seed(replicate: int, index: int) -> int:
@@ -183,7 +188,9 @@ def mismatch(data: list[Datum], behaviour: list[np.ndarray]) -> dict | None:
     masks = [d.action_mask_T.astype(bool) for d in data]
     old_N = np.concatenate([d.old_logprobs_T[m] for d, m in zip(data, masks)]).astype(np.float64)
     beh_N = np.concatenate([b[m] for b, m in zip(behaviour, masks)]).astype(np.float64)
-    return {"tokens": int(old_N.size), "mean_abs_delta": float(np.abs(old_N - beh_N).mean()),
+    abs_N = np.abs(old_N - beh_N)
+    return {"tokens": int(old_N.size), "mean_abs_delta": float(abs_N.mean()), "max_abs_delta": float(abs_N.max()),
+            "fraction_above_0.1": float((abs_N > 0.1).mean()),
             "token_ess": float(dense_summary(beh_N, old_N).token_ess)}
 
 
@@ -297,7 +304,8 @@ def main() -> None:
     report["sampling"] = {
         **{f"fp32 vs {p}, same seeds": [pair(g_on[p][r], g_on["fp32"][r]) for r in reps] for p in DRIFTED},
         **{f"{p} vs {p}, other seeds (floor)": [pair(g_on[p][s], g_on[p][r]) for r, s in later] for p in ENGINES},
-        **{f"fp32 vs {p}, other seeds": [pair(g_on[p][s], g_on["fp32"][r]) for r, s in later] for p in DRIFTED},
+        **{f"fp32 vs {p}, other seeds": [pair(g_on[p][s], g_on["fp32"][r]) for r in reps for s in reps if r != s]
+           for p in DRIFTED},
     }
 
     # 3. Positive control on the first fp32 batch with data: per-sequence shifts of known size.
@@ -323,6 +331,31 @@ def main() -> None:
     report["positive_control"] = {
         "replicate": first, "sequences": len(d0),
         "sum_of_parts_relative_l2": relative_l2(np.sum(per_seq, axis=0), base), "sigmas": control}
+
+    # The same at the token level: independent shifts per token. Σ_t ‖h_t‖² from Rademacher probes.
+    probes = []
+    for _ in range(args.draws):
+        signs = [rng.choice([-1.0, 1.0], size=len(x.old_logprobs_T)) for x in d0]
+        behaviour = [(x.old_logprobs_T - np.log1p(PROBE * sg)).astype(np.float32) for x, sg in zip(d0, signs)]
+        g = grads(d0, behaviour=behaviour, corrected=True)
+        probes.append(float((g - base) @ (g - base)) / PROBE**2)
+    token_parts = float(np.mean(probes))
+    token_control = []
+    for sigma in TOKEN_SIGMAS:
+        rows = []
+        for _ in range(args.draws):
+            behaviour = [(x.old_logprobs_T + rng.normal(0.0, sigma, len(x.old_logprobs_T))).astype(np.float32)
+                         for x in d0]
+            g = grads(d0, behaviour=behaviour, corrected=True)
+            rows.append({**pair(g, base), **mismatch(d0, behaviour)})
+        token_control.append({"sigma": sigma, "draws": rows,
+                              "expected_sq_relative_l2": expected_squared_change(sigma, args.cap, [token_parts],
+                                                                                 float(base @ base)),
+                              "measured_sq_relative_l2": summary([row["relative_l2"] ** 2 for row in rows]),
+                              "expected_mean_abs_delta": sigma * float(np.sqrt(2 / np.pi))})
+    report["positive_control_tokens"] = {"replicate": first, "probe": PROBE, "token_parts_sq": probes,
+                                         "sequence_parts_sq": sum(float(x @ x) for x in per_seq),
+                                         "total_sq": float(base @ base), "sigmas": token_control}
 
     # 4. Summaries and the declared tests (the replicate is the unit).
     report["summary"] = {}

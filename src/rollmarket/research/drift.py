@@ -58,15 +58,16 @@ def capped_lognormal_moments(sigma: float, cap: float) -> tuple[float, float]:
     return m1, m2
 
 
-def expected_squared_change(sigma: float, cap: float, sequence_sq_norms_B: Sequence[float],
+def expected_squared_change(sigma: float, cap: float, part_sq_norms: Sequence[float],
                             total_sq_norm: float) -> float:
-    """E‖Δg‖² / ‖g‖² when each sequence's behaviour logprobs shift by its own ε_i ~ N(0, sigma²)
-    (module docstring): `sequence_sq_norms_B` are the ‖g_i‖², `total_sq_norm` is ‖g‖²."""
+    """E‖Δg‖² / ‖g‖² when each part's behaviour logprobs shift by its own ε_i ~ N(0, sigma²)
+    (module docstring): `part_sq_norms` are the ‖g_i‖² (or only their sum), `total_sq_norm` is
+    ‖g‖². A part is a sequence when the shift is per sequence, a token when it is per token."""
     if not total_sq_norm > 0:
         raise ValueError("the unperturbed gradient is zero: no relative change is defined")
     m1, m2 = capped_lognormal_moments(sigma, cap)
     variance = m2 - m1 * m1
-    return (variance * float(np.sum(sequence_sq_norms_B)) + (m1 - 1.0) ** 2 * total_sq_norm) / total_sq_norm
+    return (variance * float(np.sum(part_sq_norms)) + (m1 - 1.0) ** 2 * total_sq_norm) / total_sq_norm
 
 
 def cosine(a_N: np.ndarray, b_N: np.ndarray) -> float:

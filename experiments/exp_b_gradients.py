@@ -69,6 +69,8 @@ SIGMAS = (0.01, 0.03, 0.1, 0.3, 1.0)
 """Positive control: the per-sequence shifts (nats) injected into the behaviour logprobs."""
 TOKEN_SIGMAS = (0.001, 0.003, 0.01, 0.03, 0.1)
 """Positive control, token level: independent per-token shifts (nats), around the real engines' |Δ|."""
+PERMUTATIONS = 4
+"""Placement control: the engine's own Δ values dealt to random tokens of the batch, this many times."""
 PROBE = 0.5
 """Token-level control: Rademacher probes set each token's weight to 1 ± PROBE (below the cap), so
 E‖Δg‖² = PROBE² · Σ_t ‖h_t‖², the sum over tokens of their parts' squared norms (Hutchinson)."""
@@ -172,6 +174,22 @@ def teacher_forced(model: str, precision: str, data: list[Datum], temperature: f
     return engine.score_batch([(d.prompt_token_ids_P, d.response_token_ids_T) for d in data], temperature=temperature)
 
 
+def permuted(data: list[Datum], behaviour: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
+    """Behaviour logprobs whose Δ = old − behaviour on the policy's tokens are the given ones, shuffled
+    across the batch's policy tokens (the other positions keep theirs)."""
+    masks = [d.action_mask_T.astype(bool) for d in data]
+    delta_N = np.concatenate([(d.old_logprobs_T - b)[m] for d, b, m in zip(data, behaviour, masks)])
+    delta_N = rng.permutation(delta_N)
+    out, start = [], 0
+    for d, b, m in zip(data, behaviour, masks):
+        new = np.array(b, dtype=np.float32, copy=True)
+        n = int(m.sum())
+        new[m] = d.old_logprobs_T[m] - delta_N[start:start + n]
+        out.append(new)
+        start += n
+    return out
+
+
 def router_flip_rate(a, b) -> float | None:
     """Share of (token, MoE layer) positions whose top-1 expert differs between two scorings."""
     if a[0].routed_experts_TLK is None:
@@ -272,7 +290,9 @@ def main() -> None:
     g_is = {p: {r: grads(data[p][r], corrected=True) for r in reps} for p in ENGINES}
 
     # Weights channel: the fp32 batch, behaviour from each engine teacher-forced on its tokens.
-    weights: dict = {p: {"per_replicate": [], "mismatch": [], "router_flip_rate": []} for p in DRIFTED}
+    weights: dict = {p: {"per_replicate": [], "mismatch": [], "router_flip_rate": [], "permuted_relative_l2": []}
+                     for p in DRIFTED}
+    rng = np.random.default_rng(args.seed)
     sampler_vs_trainer = []
     without_is_identical = []
     for r in reps:
@@ -288,6 +308,10 @@ def main() -> None:
             weights[p]["per_replicate"].append(pair(g, g_is["fp32"][r]))
             weights[p]["mismatch"].append(mismatch(d, behaviour))
             weights[p]["router_flip_rate"].append(router_flip_rate(fp32_tf, tf))
+            # The same Δ values on other tokens: the drift's size and tail, without where it falls.
+            weights[p]["permuted_relative_l2"].append([
+                relative_l2(grads(d, behaviour=permuted(d, behaviour, rng), corrected=True), g_is["fp32"][r])
+                for _ in range(PERMUTATIONS)])
             # Without IS the behaviour logprobs do not enter the step: the gradient must not move at all.
             without_is_identical.append(bool(np.array_equal(grads(d, behaviour=behaviour, corrected=False),
                                                             g_on["fp32"][r])))
@@ -314,7 +338,6 @@ def main() -> None:
     base = grads(d0, behaviour=[x.old_logprobs_T for x in d0], corrected=True)  # every weight exactly 1
     per_seq = [grads(d0, behaviour=[x.old_logprobs_T for x in d0], corrected=True,
                      advantages=[x.advantage if j == i else 0.0 for j, x in enumerate(d0)]) for i in range(len(d0))]
-    rng = np.random.default_rng(args.seed)
     control = []
     for sigma in SIGMAS:
         rows = []

@@ -54,7 +54,8 @@ bench: venv-test
 	$(BIN)/python benchmarks/cli_startup.py
 	$(BIN)/python docs/render.py
 
-# Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 40 minutes on 2 cores).
+# Rebuild the shipped tiny models from the seeded synthetic corpus (CPU, about 45 minutes on 2 cores:
+# tiny-dense, tiny-moe upcycled from it, tiny-start fine-tuned from tiny-moe).
 models: venv
 	$(BIN)/rollmarket models build --out models
 

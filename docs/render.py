@@ -1,5 +1,5 @@
-"""Regenerate every measured number in docs/benchmarks.md and docs/experiments.md from the raw
-results committed beside them, so a number in the docs always has its evidence in the repository.
+"""Regenerate every measured number in docs/benchmarks.md, docs/experiments.md and tiny-start's
+headroom in docs/models.md from the raw results committed beside them, so a number in the docs always has its evidence in the repository.
 
 A doc marks each generated part with a pair of HTML comments:
 
@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("docs/benchmarks.md", "docs/experiments.md")
+DOCS = ("docs/benchmarks.md", "docs/experiments.md", "docs/models.md")
 BLOCK_RE = re.compile(r"<!-- generated: (?P<name>[a-z0-9-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
 
 BLOCKS: dict[str, Callable[[], str]] = {}
@@ -1151,6 +1151,28 @@ def _():
                                   for c in report["comparisons"] for x in c["metrics"]))
 
 
+# ---- the shipped starting checkpoint (docs/models.md) ------------------------------------------------
+
+START = "models/tiny-start/build_report.json"
+
+
+@block("start-headroom")
+def _():
+    report = load(START)
+    h = report["headroom"]
+    ks = [k for k in h["model"] if k.startswith("pass@")]
+    rows = [[label, *[f"{h[who][k]:.3f}" for k in ks], pct(h[who]["tool_rate"]),
+             f"{h[who]['accuracy_given_tool']:.2f}"] for who, label in (("parent", "tiny-moe (before)"),
+                                                                      ("model", "**tiny-start**"))]
+    m = h["model"]
+    return (table(["model", *ks, "runs that call a tool", "accuracy when they do"], list("l" + "r" * (len(ks) + 2)), rows)
+            + f"\n\n{m['tasks']} held-out {h['family']} tasks × {m['samples']} samples, temperature {m['temperature']}, "
+            f"seed {m['seed']}; tool share of the demonstrations {h['tool_share']}, {n(h['demonstrations'])} "
+            f"demonstrations, {report['train']['steps_done']} steps in {report['train']['wall_s']:.0f} s "
+            f"({report['machine']['cpu_threads']} torch thread, {report['machine']['platform']}). "
+            f"`model.safetensors`: {report['safetensors_bytes'] / 1e6:.1f} MB.\n")
+
+
 # ---- the two commands ---------------------------------------------------------------------------
 
 def render(text: str) -> str:
@@ -1196,3 +1218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

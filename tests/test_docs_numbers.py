@@ -49,6 +49,8 @@ def test_check_fails_when_a_result_changes_and_the_rewrite_follows(tmp_path, mon
 
     for folder in ("docs", "benchmarks/results", "experiments/results"):
         shutil.copytree(ROOT / folder, tmp_path / folder)
+    (tmp_path / "models/tiny-start").mkdir(parents=True)
+    shutil.copy(ROOT / "models/tiny-start/build_report.json", tmp_path / "models/tiny-start")
     path = tmp_path / "benchmarks/results/agent_collect.json"
     data = json.loads(path.read_text())
     data["rows"][2]["runs_per_s"] = 99.5

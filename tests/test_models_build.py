@@ -19,7 +19,7 @@ from rollmarket.tasks.families import MEMORIZED
 from rollmarket.tasks.world import world_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = {"tiny-dense": ROOT / "models" / "tiny-dense", "tiny-moe": ROOT / "models" / "tiny-moe"}
+SHIPPED = {name: ROOT / "models" / name for name in ("tiny-dense", "tiny-moe", "tiny-start")}
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
            "</tool_response>", "<think>", "</think>"]
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.",
@@ -87,7 +87,7 @@ def test_shipped_models_load_and_report(name):
     path = SHIPPED[name]
     config = AutoConfig.from_pretrained(path)
     assert config.num_hidden_layers >= 4
-    if name == "tiny-moe":
+    if name in ("tiny-moe", "tiny-start"):
         assert config.architectures == ["Qwen3MoeForCausalLM"]
         assert config.num_experts >= 8 and config.num_experts_per_tok == 2 and config.norm_topk_prob
     else:
@@ -107,13 +107,62 @@ def test_shipped_models_load_and_report(name):
 
 
 def test_shipped_models_fit_the_size_budget():
-    total = sum((path / "model.safetensors").stat().st_size for path in SHIPPED.values())
-    assert total <= 30 * 1024 * 1024
+    sizes = {name: (path / "model.safetensors").stat().st_size for name, path in SHIPPED.items()}
+    assert all(size < 30 * 1024 * 1024 for size in sizes.values()), sizes
+    assert sum(sizes.values()) <= 40 * 1024 * 1024, sizes
+
+
+def test_mixed_demonstrations_guess_wrong_and_carry_no_task_signal():
+    """Guessed demonstrations answer without a tool and are wrong under the task's verifier; the
+    demonstrator is drawn per copy at about `tool_share` (a 4-sigma binomial band), so copies of one
+    task disagree; plain tasks keep their gold; the same seed gives the same data."""
+    from rollmarket.models.headroom import mixed_demonstrations
+    from rollmarket.tasks import check_answer
+
+    world = load_world()
+    tasks = generate_split("train", {"calculator": 150, "lookup": 100, "chain": 100, "plain": 30}, world)
+    demos = mixed_demonstrations(tasks, world, tool_share=0.4, copies=3, seed=5)
+    assert len(demos) == 3 * len(tasks)
+    tool = [d for d in demos if d.family != "plain"]
+    gold = [d for d in tool if len(d.gold) > 1]
+    share, n = len(gold) / len(tool), len(tool)
+    assert abs(share - 0.4) < 4 * (0.4 * 0.6 / n) ** 0.5, share
+    for demo in tool:
+        if len(demo.gold) == 1:
+            assert "tool_calls" not in demo.gold[0]
+            assert not check_answer(demo.verifier, demo.gold[0]["content"], demo.expected), demo
+    assert all(d.gold == t.gold for d, t in zip(demos, [t for t in tasks for _ in range(3)]) if d.family == "plain")
+    kinds = [tuple(len(d.gold) > 1 for d in demos[i:i + 3]) for i in range(0, len(demos), 3)]
+    assert sum(len(set(k)) > 1 for k in kinds) > len(kinds) // 4  # copies of a task mix demonstrators
+    again = mixed_demonstrations(tasks, world, tool_share=0.4, copies=3, seed=5)
+    assert [d.gold for d in again] == [d.gold for d in demos]
+    assert [d.gold for d in mixed_demonstrations(tasks, world, tool_share=0.4, copies=3, seed=6)] != \
+        [d.gold for d in demos]
+
+
+def test_tiny_start_has_headroom_that_tiny_moe_lacks():
+    """Measured again here (real sampled multi-turn runs with the reference tools, another seed and
+    fewer tasks than the build): tiny-start's pass@8 is far above its pass@1 on held-out arithmetic,
+    a gap much wider than the one the build measured for tiny-moe, which calls the tool every time."""
+    from rollmarket.models.evaluate import sampled_pass_at_k
+
+    world = load_world()
+    tasks = generate_split("heldout", {"calculator": 16}, world, families=("calculator",))
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED["tiny-start"])
+    start = sampled_pass_at_k(model, AutoTokenizer.from_pretrained(SHIPPED["tiny-start"]), tasks, world,
+                              samples=8, seed=1)
+    report = json.loads((SHIPPED["tiny-start"] / "build_report.json").read_text())["headroom"]
+    moe = report["parent"]
+    assert 0.1 <= start["pass@1"] <= 0.5 and start["pass@8"] >= 0.6, start
+    assert 0.1 <= start["tool_rate"] <= 0.7 and moe["tool_rate"] > 0.95, (start, moe)
+    assert start["pass@8"] - start["pass@1"] > moe["pass@8"] - moe["pass@1"] + 0.2, (start, moe)
+    assert report["model"]["tasks"] >= 64 and report["model"]["pass@8"] >= 0.7, report
 
 
 def test_quick_build_writes_loadable_model_dirs(tmp_path):
     reports = build(BuildConfig.quick(out=tmp_path, steps=2, moe_steps=2))
-    for name in ("tiny-dense", "tiny-moe"):
+    assert reports["tiny-start"]["headroom"]["model"]["samples"] == 2
+    for name in ("tiny-dense", "tiny-moe", "tiny-start"):
         path = tmp_path / name
         assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "build_report.json"} <= {p.name for p in path.iterdir()}
@@ -122,7 +171,7 @@ def test_quick_build_writes_loadable_model_dirs(tmp_path):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                             tokenize=True, return_dict=True, return_tensors="pt")["input_ids"]
         assert model(ids).logits.shape[-1] == len(tokenizer)
-        assert reports[name]["train"]["steps_done"] == 2
+        assert reports[name]["train"]["steps_done"] == (4 if name == "tiny-start" else 2)
         assert set(json.loads((path / "build_report.json").read_text())["eval"]["families"]) == set(FAMILIES)
 
 

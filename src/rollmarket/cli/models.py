@@ -17,7 +17,7 @@ console = Console()
 
 @click.group()
 def models() -> None:
-    """Build and inspect the tiny shipped models (tiny-dense, tiny-moe)."""
+    """Build and inspect the tiny shipped models (tiny-dense, tiny-moe, tiny-start)."""
 
 
 @models.command("build")
@@ -30,12 +30,18 @@ def models() -> None:
 @click.option("--upcycle/--no-upcycle", default=True, show_default=True,
               help="Start tiny-moe from tiny-dense (--only moe then reuses <out>/tiny-dense).")
 @click.option("--minutes", default=30.0, show_default=True, help="Wall-time cap on each model's training.")
-@click.option("--only", type=click.Choice(["dense", "moe"]), default=None, help="Build one model only.")
+@click.option("--start-steps", default=None, type=int,
+              help="Optimizer steps of tiny-start's fine-tune on mixed demonstrations [default: 400; --quick: 4].")
+@click.option("--tool-share", default=None, type=click.FloatRange(0.0, 1.0),
+              help="Share of tiny-start's demonstrations that use the tools [default: 0.65].")
+@click.option("--only", type=click.Choice(["dense", "moe", "start"]), default=None,
+              help="Build one model only (moe reuses <out>/tiny-dense, start reuses <out>/tiny-moe).")
 @click.option("--threads", default=1, show_default=True,
               help="torch CPU threads (1 is fastest when other work shares the CPU).")
 @click.option("--quick", is_flag=True, help="A seconds-long smoke build (tiny data, a few steps).")
 def build_command(out_dir: Path, seed: int, steps: int | None, moe_steps: int | None, upcycle: bool, minutes: float,
-                  only: str | None, threads: int, quick: bool) -> None:
+                  start_steps: int | None, tool_share: float | None, only: str | None, threads: int,
+                  quick: bool) -> None:
     """Generate tasks, train the tokenizer, train and evaluate the models, write HF model dirs."""
     from ..models.build import BuildConfig, build
 
@@ -44,6 +50,10 @@ def build_command(out_dir: Path, seed: int, steps: int | None, moe_steps: int | 
         overrides["steps"] = steps
     if moe_steps is not None:
         overrides["moe_steps"] = moe_steps
+    if start_steps is not None:
+        overrides["start_steps"] = start_steps
+    if tool_share is not None:
+        overrides["tool_share"] = tool_share
     if only is not None:
         overrides["only"] = (f"tiny-{only}",)
     config = BuildConfig.quick(**overrides) if quick else BuildConfig(**overrides)
@@ -81,6 +91,13 @@ def _print_report(report: dict) -> None:
     console.print(f"{report['model']}: {report['parameters']:,} parameters, {report['safetensors_bytes'] / 1e6:.1f} MB, "
                   f"trained {report['train']['steps_done']} steps in {report['train']['wall_s']:.0f}s, "
                   f"final loss {report['loss']['last']:.3f}")
+    if headroom := report.get("headroom"):
+        for who in ("parent", "model"):
+            h = headroom[who]
+            console.print(f"{'tiny-moe (before)' if who == 'parent' else report['model']}: held-out "
+                          f"{headroom['family']} sampled at T={h['temperature']} ({h['tasks']} tasks × {h['samples']}): "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in h.items() if k.startswith("pass@"))
+                          + f", tool calls in {h['tool_rate']:.0%} of runs")
 
 
 @models.command("info")

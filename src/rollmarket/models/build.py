@@ -7,6 +7,7 @@ evaluate on held-out tasks -> `models/<name>/` with `build_report.json`.
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import random
@@ -26,8 +27,9 @@ from .. import __version__
 from ..tasks import FAMILIES, generate_split, load_world
 from .configs import MODEL_NAMES, make_config
 from .corpus import encode, tokenizer_texts
-from .evaluate import evaluate
+from .evaluate import evaluate, sampled_pass_at_k
 from .export import write_model_dir
+from .headroom import mixed_demonstrations
 from .tokenizer import IM_END, PAD, special_ids, train_tokenizer
 from .train import TrainConfig, train
 from .upcycle import upcycle
@@ -54,12 +56,23 @@ class BuildConfig:
         default_factory=lambda: {"calculator": 2000, "lookup": 4000, "chain": 5000, "plain": 2000})
     eval_per_family: int = 50  # held-out tasks per family
     threads: int = 1
+    # tiny-start: tiny-moe fine-tuned on mixed-quality demonstrations (headroom.py).
+    start_steps: int = 400
+    start_lr: float = 5e-4
+    tool_share: float = 0.65  # share of demonstrations that use the tools (the rest guess)
+    start_copies: int = 2  # demonstrations per task, each by an independently drawn demonstrator
+    start_per_family: dict[str, int] = field(
+        default_factory=lambda: {"calculator": 2000, "lookup": 1500, "chain": 1500, "plain": 1000})
+    headroom_family: str = "calculator"  # the family (the `arithmetic` suite) whose sampled pass@k is reported
+    headroom_tasks: int = 64
+    headroom_samples: int = 8
 
     @classmethod
     def quick(cls, **overrides: Any) -> BuildConfig:
         """A smoke build: tiny data, a few steps, a handful of held-out tasks."""
-        base = dict(steps=4, moe_steps=4, batch_size=4, vocab_size=512, eval_per_family=1,
-                    train_per_family={f: 20 for f in FAMILIES})
+        base = dict(steps=4, moe_steps=4, start_steps=4, batch_size=4, vocab_size=512, eval_per_family=1,
+                    train_per_family={f: 20 for f in FAMILIES}, start_per_family={f: 10 for f in FAMILIES},
+                    headroom_tasks=2, headroom_samples=2)
         return cls(**{**base, **overrides})
 
 
@@ -70,9 +83,19 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
     emit("stage", {"text": "generating tasks"})
     heldout = generate_split("heldout", config.eval_per_family, world)
     train_tasks = generate_split("train", config.train_per_family, world, exclude_prompts={t.prompt for t in heldout})
-    dense_dir = config.out / "tiny-dense"
+    dense_dir, moe_dir = config.out / "tiny-dense", config.out / "tiny-moe"
     reuse_dense = config.upcycle and "tiny-moe" in config.only and "tiny-dense" not in config.only
-    if reuse_dense:
+    reuse_moe = "tiny-start" in config.only and "tiny-moe" not in config.only
+    moe = None
+    if reuse_moe:
+        # tiny-start is fine-tuned from tiny-moe: take the one already built, with its tokenizer.
+        if not (moe_dir / "model.safetensors").exists():
+            raise FileNotFoundError(f"tiny-start starts from a built {moe_dir}; build tiny-moe first")
+        emit("stage", {"text": f"loading {moe_dir} to fine-tune tiny-start from"})
+        tokenizer = AutoTokenizer.from_pretrained(moe_dir)
+        moe = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+        dense = None
+    elif reuse_dense:
         # Upcycling needs the dense model and its tokenizer: take the ones already built.
         if not (dense_dir / "model.safetensors").exists():
             raise FileNotFoundError(f"upcycling tiny-moe needs a built {dense_dir}; build dense first")
@@ -96,22 +119,33 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
         model_config = make_config(name, len(tokenizer), ids[PAD], ids[IM_END])
         is_moe = name == "tiny-moe"
         init = "random"
-        if is_moe and config.upcycle:
+        model_examples, headroom = examples, None
+        if name == "tiny-start":
+            model = copy.deepcopy(moe)
+            init = "tiny-moe, fine-tuned on mixed-quality demonstrations"
+            model_examples, headroom = _start_examples(config, world, heldout, tokenizer), {}
+            emit("stage", {"text": f"sampled pass@k of tiny-moe on held-out {config.headroom_family} (before)"})
+            headroom["parent"] = _headroom(model, tokenizer, world, config)
+        elif is_moe and config.upcycle:
             model = upcycle(dense, model_config, seed=config.seed)
             init = "upcycled from tiny-dense"
         else:
             model = AutoModelForCausalLM.from_config(model_config)
-        steps, lr = (config.moe_steps, config.moe_lr) if is_moe else (config.steps, config.lr)
+        steps, lr = {"tiny-dense": (config.steps, config.lr), "tiny-moe": (config.moe_steps, config.moe_lr),
+                     "tiny-start": (config.start_steps, config.start_lr)}[name]
         train_config = TrainConfig(steps=steps, batch_size=config.batch_size, lr=lr,
                                    seed=config.seed, max_minutes=config.max_minutes, threads=config.threads)
         emit("train_start", {"model": name, "steps": steps})
-        result = train(model, examples, train_config, ids[PAD],
+        result = train(model, model_examples, train_config, ids[PAD],
                        on_step=lambda step, loss, name=name: emit("step", {"model": name, "step": step, "loss": loss}))
         emit("eval_start", {"model": name, "n": len(heldout)})
         t0 = time.monotonic()
         scores = evaluate(model, tokenizer, heldout, world,
                           on_task=lambda e, name=name: emit("episode", {"model": name, "correct": e.correct}))
         eval_s = time.monotonic() - t0
+        if headroom is not None:
+            emit("stage", {"text": f"sampled pass@k of tiny-start on held-out {config.headroom_family}"})
+            headroom["model"] = _headroom(model, tokenizer, world, config)
         out_dir = config.out / name
         report = {
             "model": name,
@@ -131,11 +165,32 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
                          "python": platform.python_version()},
             "machine": {"cpu_threads": config.threads, "platform": platform.platform()},
         }
+        if headroom is not None:
+            report["headroom"] = {"family": config.headroom_family, "split": "heldout", **headroom,
+                                  "tool_share": config.tool_share, "copies": config.start_copies,
+                                  "demonstrations": len(model_examples)}
         write_model_dir(model, tokenizer, out_dir)
         report["safetensors_bytes"] = (out_dir / "model.safetensors").stat().st_size
         (out_dir / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
         reports[name] = report
         if name == "tiny-dense":
             dense = model
+        if name == "tiny-moe":
+            moe = model
         emit("done", {"model": name, "report": report})
     return reports
+
+
+def _start_examples(config: BuildConfig, world, heldout, tokenizer) -> list:
+    """tiny-start's fine-tuning data: mixed-quality demonstrations of train tasks (no held-out prompt)."""
+    tasks = generate_split("train", config.start_per_family, world, exclude_prompts={t.prompt for t in heldout})
+    demos = mixed_demonstrations(tasks, world, tool_share=config.tool_share, copies=config.start_copies,
+                                 seed=config.seed)
+    return [encode(t, tokenizer) for t in demos]
+
+
+def _headroom(model, tokenizer, world, config: BuildConfig) -> dict:
+    """Sampled pass@k at temperature 1 on the first `headroom_tasks` held-out tasks of the family."""
+    tasks = generate_split("heldout", {config.headroom_family: config.headroom_tasks}, world,
+                           families=(config.headroom_family,))
+    return sampled_pass_at_k(model, tokenizer, tasks, world, samples=config.headroom_samples, seed=config.seed)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from transformers import GenerationConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
-MODEL_NAMES = ("tiny-dense", "tiny-moe")
+MODEL_NAMES = ("tiny-dense", "tiny-moe", "tiny-start")
+"""tiny-start is tiny-moe fine-tuned on mixed-quality demonstrations (headroom.py): the RL starting point."""
 
 # Shared by both: the attention stack.
 HIDDEN = 128
@@ -56,7 +57,7 @@ def make_config(name: str, vocab_size: int, pad_id: int, eos_id: int) -> Pretrai
     """The config of model `name` (one of MODEL_NAMES)."""
     if name == "tiny-dense":
         return dense_config(vocab_size, pad_id, eos_id)
-    if name == "tiny-moe":
+    if name in ("tiny-moe", "tiny-start"):
         return moe_config(vocab_size, pad_id, eos_id)
     raise ValueError(f"unknown model {name!r}; expected one of {MODEL_NAMES}")
 

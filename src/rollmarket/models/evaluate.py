@@ -33,9 +33,10 @@ class Episode:
 
 @torch.no_grad()
 def run_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, tasks: list[Task], world: World,
-                 max_turns: int = MAX_TURNS, batch_size: int = 32) -> list[Episode]:
-    """Greedy multi-turn rollouts of `tasks` with the reference tools, `batch_size` at a time per turn
-    (left-padded; an unfinished episode gets its next turn in the next round)."""
+                 max_turns: int = MAX_TURNS, batch_size: int = 32, temperature: float = 0.0) -> list[Episode]:
+    """Multi-turn rollouts of `tasks` with the reference tools, `batch_size` at a time per turn
+    (left-padded; an unfinished episode gets its next turn in the next round). Greedy at temperature
+    0, else sampled (seed torch's generator first for a repeatable draw)."""
     messages = [[dict(m) for m in task.messages] for task in tasks]
     calls_made: list[list[dict]] = [[] for _ in tasks]
     episodes: list[Episode | None] = [None] * len(tasks)
@@ -48,8 +49,10 @@ def run_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, tas
             prompts = [tokenizer.apply_chat_template(messages[i], tools=tasks[i].tools, add_generation_prompt=True,
                                                      tokenize=False) for i in chunk]
             enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-            out_BT = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=eos,
-                                    pad_token_id=tokenizer.pad_token_id)
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+                else {"do_sample": False}
+            out_BT = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=eos,
+                                    pad_token_id=tokenizer.pad_token_id, **sampling)
             for row, i in enumerate(chunk):
                 reply = tokenizer.decode(out_BT[row, enc["input_ids"].shape[1]:], skip_special_tokens=False)
                 content, calls = parse_tool_calls(reply.split(IM_END)[0].replace(tokenizer.pad_token, ""))
@@ -90,3 +93,25 @@ def evaluate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, tasks: 
     return {"families": families, "overall": round(overall, 4), "n": len(episodes),
             "episodes": [{"task_id": e.task_id, "correct": e.correct, "answer": e.answer,
                           "tool_calls": json.loads(json.dumps(e.tool_calls))} for e in episodes]}
+
+
+def sampled_pass_at_k(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, tasks: list[Task], world: World,
+                      *, samples: int = 8, temperature: float = 1.0, seed: int = 0) -> dict:
+    """Sampled pass@k (k = 1, 2, 4 … ≤ samples; unbiased, Chen et al. 2021) of `tasks`, with the share
+    of runs that called a tool and the accuracy of those that did: the headroom RL has to work with."""
+    from ..verifiers.profile import pass_at_k
+
+    model.eval()
+    torch.manual_seed(seed)
+    episodes = run_episodes(model, tokenizer, [t for t in tasks for _ in range(samples)], world,
+                            temperature=temperature, batch_size=64)
+    correct = [[e.correct for e in episodes[i * samples:(i + 1) * samples]] for i in range(len(tasks))]
+    out: dict = {"tasks": len(tasks), "samples": samples, "temperature": temperature, "seed": seed}
+    k = 1
+    while k <= samples:
+        out[f"pass@{k}"] = round(sum(pass_at_k(samples, sum(c), k) for c in correct) / len(tasks), 4)
+        k *= 2
+    with_tool = [e for e in episodes if e.tool_calls]
+    out["tool_rate"] = round(len(with_tool) / len(episodes), 4)
+    out["accuracy_given_tool"] = round(sum(e.correct for e in with_tool) / len(with_tool), 4) if with_tool else None
+    return out

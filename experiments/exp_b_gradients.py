@@ -5,7 +5,8 @@
 Real rollouts: for each rollout engine (fp32, bf16, fp8 profiles of engines/precision.py, each
 served by `rollmarket serve-model`'s app on loopback and driven by the real agent loop, calculator
 tool and verifier) and each replicate r, one batch of the recipe's size (G runs of each of `groups`
-training tasks, sampling seeds from r). Replicate r has the same tasks and sampling seeds on every
+training tasks, sampling seeds from r; the defaults are the tiny-start recipe of
+configs/exp-a-campaign.toml). Replicate r has the same tasks and sampling seeds on every
 engine, so its fp32 and bf16 batches differ only where a trajectory forked.
 
 Gradients with the trainer's code: `train.learner.Learner.step` (GRPO advantages, PPO-clip, token
@@ -236,14 +237,14 @@ def equivalence(values: list[float], margin: float) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="models/tiny-moe")
+    parser.add_argument("--model", default="models/tiny-start")
     parser.add_argument("--suite", default="arithmetic")
     parser.add_argument("--replicates", type=int, default=6)
     parser.add_argument("--groups", type=int, default=8, help="tasks per batch (the recipe's groups_per_step)")
-    parser.add_argument("--group-size", type=int, default=4)
-    parser.add_argument("--temperature", type=float, default=1.5)
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--max-turns", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--cap", type=float, default=2.0, help="token TIS cap (the recipe's correction.cap)")
     parser.add_argument("--draws", type=int, default=16, help="positive control: noise draws per σ")
     parser.add_argument("--seed", type=int, default=0, help="task order and the control's noise")

@@ -1145,11 +1145,15 @@ def _():
     comparison (bf16 and fp8 against fp32, TOST at the declared margin) recomputed from its files."""
     from rollmarket.research.stats import campaign_report, load_campaign, report_dict
 
-    smoke = not (ROOT / EXP_B_CAMPAIGN / "campaign.json").exists()
+    # The full campaign as keep_campaign.py keeps it (exp-b/campaign/) or as expc14's pack_campaign.py
+    # unpacks it (exp-b/ itself); until then the labelled smoke.
+    full = next((c for c in (EXP_B_CAMPAIGN, EXP_B_CAMPAIGN.rsplit("/", 1)[0])
+                 if (ROOT / c / "campaign.json").exists()), None)
+    smoke = full is None
     if not smoke and (ROOT / EXP_B_SMOKE).exists():
-        raise RenderError(f"both {EXP_B_CAMPAIGN} and {EXP_B_SMOKE} are committed: the full campaign replaces "
+        raise RenderError(f"both {full} and {EXP_B_SMOKE} are committed: the full campaign replaces "
                           f"the smoke; delete {EXP_B_SMOKE}")
-    where = EXP_B_SMOKE if smoke else EXP_B_CAMPAIGN
+    where = EXP_B_SMOKE if smoke else full
     root = ROOT / where
     campaign = load_campaign(root)
     for file in sorted(root.rglob("*")):

@@ -1189,6 +1189,314 @@ def _():
               f"{', '.join(verdicts['undecided']) or 'none'}.")
 
 
+# ---- experiment (b): engine drift and the training step -----------------------------------------
+
+EXP_B = "experiments/results/exp-b/gradients.json"
+EXP_B_MOE = "experiments/results/exp-b/gradients-tiny-moe.json"
+"""The same script on tiny-moe (temperature 1.5, groups of 4), before tiny-start existed."""
+
+
+def _interval(values: list, digits: int = 3) -> str:
+    """mean [95% t interval] of per-replicate values (research/stats.py's interval), n noted."""
+    from rollmarket.research.stats import t_interval
+
+    x = [v for v in values if v is not None]
+    if len(x) < 2:
+        return f"{x[0]:.{digits}f} (n = 1)" if x else "–"
+    lo, hi = t_interval(x)
+    return f"{statistics.mean(x):.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+
+def _tost(values: list, margin: float, alpha: float) -> dict:
+    from rollmarket.research.stats import tost
+
+    eq = tost([v for v in values if v is not None], margin, alpha)
+    return {"p": eq.p, "interval": eq.interval, "equivalent": eq.p < alpha}
+
+
+@cache
+def exp_b(path: str = EXP_B) -> dict:
+    """Experiment (b)'s gradient result, with the declared tests recomputed from its per-replicate values."""
+    b = load(path)
+    d = b["declared"]
+    tests = {}
+    for p in ("bf16", "fp8"):
+        rows = b["weights"][p]["per_replicate"]
+        rel = [r["relative_l2"] for r in rows if r["relative_l2"] is not None]
+        cos = [r["cosine"] for r in rows if r["cosine"] is not None]
+        tests[p] = {"rel": rel, "cos": cos,
+                    "tost_rel": _tost(rel, d["margin_relative_l2"], d["alpha"]),
+                    "tost_cos": _tost([1 - c for c in cos], 1 - d["margin_cosine"], d["alpha"])}
+    return {**b, "tests": tests}
+
+
+@block("exp-b-provenance")
+def _():
+    b = exp_b()
+    s = b["settings"]
+    return (f"{provenance(EXP_B, b)} Code: git {b['code']['git_commit']}. Model `{s['model']}`, suite `{s['suite']}`, "
+            f"{s['replicates']} replicates × {s['groups']} tasks × {s['group_size']} runs at temperature "
+            f"{s['temperature']}, token TIS cap {s['cap']}; {b['wall_s'] / 60:.1f} min in all.")
+
+
+@block("exp-b-forks")
+def _():
+    b = exp_b()
+    rows = []
+    for key, f in b["forks"].items():
+        positions = [x for r in f.get("per_replicate", [f]) for x in r["fork_positions"] if x is not None]
+        runs, forked = (f["runs"], f["forked"])
+        rows.append([key, str(runs), str(forked), pct(forked / runs, 1) if runs else "–",
+                     f"{statistics.median(positions):.0f}" if positions else "–",
+                     f"{min(positions)}–{max(positions)}" if positions else "–"])
+    return table(["same tasks, same sampling seeds", "agent runs", "forked", "share",
+                  "median fork position (model tokens)", "range"], list("lrrrrr"), rows)
+
+
+@block("exp-b-mismatch")
+def _():
+    b = exp_b()
+    def cells(ms: list[dict], digits: int) -> list[str]:
+        return [_interval([m["mean_abs_delta"] for m in ms], digits),
+                _interval([m["max_abs_delta"] for m in ms], max(3, digits - 1)),
+                _interval([m["fraction_above_0.1"] for m in ms], 4), _interval([m["token_ess"] for m in ms], 6)]
+
+    rows = [["fp32 sampler (its own reported logprobs)", *cells(b["sampler_vs_trainer_fp32"], 7), "–"]]
+    for p in ("bf16", "fp8"):
+        w = b["weights"][p]
+        rows.append([f"{p}, teacher-forced on the fp32 batch", *cells(w["mismatch"], 5),
+                     _interval(w["router_flip_rate"], 4)])
+    return table(["behaviour logprobs vs the fp32 trainer", "mean \\|Δ\\| (nats)", "max \\|Δ\\| (nats)",
+                  "share of tokens with \\|Δ\\| > 0.1", "token ESS", "router top-1 flip rate"], list("lrrrrr"), rows)
+
+
+@block("exp-b-gradients")
+def _():
+    b = exp_b()
+    rows = []
+
+    def add(label: str, pairs: list[dict]) -> None:
+        rows.append([label, str(sum(x["cosine"] is not None for x in pairs)),
+                     _interval([x["cosine"] for x in pairs]), _interval([x["relative_l2"] for x in pairs])])
+
+    for p in ("bf16", "fp8"):
+        add(f"**weights channel**: fp32 batch, IS on, behaviour from {p} vs from the fp32 sampler",
+            b["weights"][p]["per_replicate"])
+    for p in ("bf16", "fp8"):
+        shuffled = [statistics.mean(x) for x in b["weights"][p]["permuted_relative_l2"]]
+        rows.append([f"weights channel: {p}'s own Δ values dealt to random tokens of the batch (mean of "
+                     f"{len(b['weights'][p]['permuted_relative_l2'][0])} shuffles per replicate)", str(len(shuffled)),
+                     "–", _interval(shuffled)])
+    for key, pairs in b["sampling"].items():
+        add(("**noise floor**: " if "floor" in key else "sampling channel: ") + key, pairs)
+    for p, pairs in b["is_on_vs_off_own_batch"].items():
+        add(f"IS on vs off, {p} batch with {p}'s own logprobs", pairs)
+    return table(["gradients compared (trainer's step, one batch each)", "n", "cosine, mean [95% t]",
+                  "‖a − b‖/‖b‖, mean [95% t]"], list("lrrr"), rows)
+
+
+@block("exp-b-tost")
+def _():
+    b = exp_b()
+    d = b["declared"]
+    rows = []
+    for p, t in b["tests"].items():
+        for label, key, margin in (("‖g_engine − g_fp32‖/‖g_fp32‖", "tost_rel", f"< {d['margin_relative_l2']}"),
+                                   ("1 − cosine", "tost_cos", f"< {1 - d['margin_cosine']:.3f}")):
+            e = t[key]
+            lo, hi = e["interval"]
+            rows.append([p, label, margin, f"[{lo:.4f}, {hi:.4f}]", f"{e['p']:.2g}",
+                         bold("EQUIVALENT", True) if e["equivalent"] else "not shown equivalent"])
+    return table(["engine", "measure (weights channel)", "declared margin", "90% t interval",
+                  "TOST p", "verdict at α = 0.05"], list("llllrl"), rows)
+
+
+def _control_rows(sigmas: list[dict]) -> list[list[str]]:
+    rows = []
+    for c in sigmas:
+        draws = c["draws"]
+        rows.append([f"{c['sigma']:g}", f"{c['expected_sq_relative_l2']:.2e}",
+                     _interval([x["relative_l2"] ** 2 for x in draws], 7) if c["expected_sq_relative_l2"] < 1e-3
+                     else _interval([x["relative_l2"] ** 2 for x in draws], 4),
+                     f"{math.sqrt(c['expected_sq_relative_l2']):.4f}",
+                     f"{statistics.mean(x['relative_l2'] ** 2 for x in draws) / c['expected_sq_relative_l2']:.2f}",
+                     f"{c['expected_mean_abs_delta']:.4f}",
+                     f"{statistics.mean(x['mean_abs_delta'] for x in draws):.4f}"])
+    return rows
+
+
+@block("exp-b-control")
+def _():
+    b = exp_b()
+    pc, pt = b["positive_control"], b["positive_control_tokens"]
+    header = ["σ (nats)", "expected E[rel²]", "measured mean rel² [95% t]", "√expected", "measured / expected",
+              "expected mean \\|Δ\\|", "measured mean \\|Δ\\|"]
+    return (f"Per sequence, on replicate {pc['replicate']}'s fp32 batch ({pc['sequences']} sequences; their "
+            f"parts add up to the gradient within {pc['sum_of_parts_relative_l2']:.1e} relative), "
+            f"{len(pc['sigmas'][0]['draws'])} draws per σ:\n\n"
+            + table(header, list("rrrrrrr"), _control_rows(pc["sigmas"]))
+            + f"\n\nPer token, on the same batch: Σ_t‖h_t‖² from {len(pt['token_parts_sq'])} Rademacher probes "
+            f"(weights 1 ± {pt['probe']}) is {_interval(pt['token_parts_sq'], 4)}, against Σ_i‖g_i‖² = "
+            f"{pt['sequence_parts_sq']:.4f} over sequences and ‖g‖² = {pt['total_sq']:.4f}:\n\n"
+            + table(header, list("rrrrrrr"), _control_rows(pt["sigmas"])))
+
+
+def _ratios(sigmas: list[dict]) -> list[float]:
+    """Every draw's measured rel² over its σ's expected E[rel²]: each has mean 1 if the formula holds."""
+    return [x["relative_l2"] ** 2 / c["expected_sq_relative_l2"] for c in sigmas for x in c["draws"]]
+
+
+@block("exp-b-verdict")
+def _():
+    from rollmarket.research.drift import expected_squared_change
+    from rollmarket.research.stats import t_interval
+
+    b = exp_b()
+    d = b["declared"]
+    pc, pt = b["positive_control"], b["positive_control_tokens"]
+    floor = [x["relative_l2"] for x in b["sampling"]["fp32 vs fp32, other seeds (floor)"]]
+    f = statistics.mean(floor)
+    first = pc["replicate"]
+    lines = []
+    seq, tok = _ratios(pc["sigmas"]), _ratios(pt["sigmas"])
+    lines.append("**The instrument sees a mismatch of known size.** Measured rel² over the expected value, pooled "
+                 f"over every draw of every σ from {min(c['sigma'] for c in pt['sigmas']):g} to "
+                 f"{max(c['sigma'] for c in pc['sigmas']):g} nat (each ratio has mean 1 if the formula holds): "
+                 f"{_interval(seq, 2)} per sequence ({len(seq)} draws), {_interval(tok, 2)} per token "
+                 f"({len(tok)} draws).")
+    per_sigma = [statistics.mean(x["relative_l2"] ** 2 for x in c["draws"]) / c["expected_sq_relative_l2"]
+                 for c in pt["sigmas"]]
+    lo, hi = t_interval(tok)
+    if not lo <= 1 <= hi:
+        lines[-1] += (f" Per token, every σ's expectation rests on one shared estimate of Σ_t‖h_t‖² from "
+                      f"{len(pt['token_parts_sq'])} probes ({_interval(pt['token_parts_sq'], 4)}); the ratio "
+                      f"sits at {min(per_sigma):.2f}–{max(per_sigma):.2f} for every σ, as an offset in that one "
+                      "estimate would make it, while the measured change follows σ² over two decades. The "
+                      "per-token check is the weaker one; the per-sequence expectation needs no estimate.")
+    forks = b["forks"]
+    rerun = forks["fp32 vs fp32 rerun"]
+    lines.append("**Forks.** " + "; ".join(f"{k}: {v['forked']} of {v['runs']} runs forked" for k, v in forks.items())
+                 + (". The rerun of one engine never forks, so the forks are the engines' numerics, not batching."
+                    if rerun["forked"] == 0 else ". The rerun forks too: batching alone moves the draws."))
+    parts = []
+    for p, t in b["tests"].items():
+        rel = statistics.mean(t["rel"])
+        eq = t["tost_rel"]["equivalent"] and t["tost_cos"]["equivalent"]
+        # What independent per-token noise of the engine's own mean |Δ| would do to the same batch.
+        m = b["weights"][p]["mismatch"][first]
+        sigma = m["mean_abs_delta"] * math.sqrt(math.pi / 2)
+        iid = math.sqrt(expected_squared_change(sigma, b["settings"]["cap"], [statistics.mean(pt["token_parts_sq"])],
+                                                pt["total_sq"]))
+        real = b["weights"][p]["per_replicate"][first]["relative_l2"]
+        shuffled = statistics.mean(statistics.mean(x) for x in b["weights"][p]["permuted_relative_l2"])
+        placement = (f"the same Δ values dealt to random tokens move it by {shuffled:.3f} on average, so where the "
+                     f"drift falls multiplies its effect {rel / shuffled:.1f}×" if rel > 2 * shuffled else
+                     f"the same Δ values dealt to random tokens move it by {shuffled:.3f} on average: its size "
+                     "and tail, not where it falls, make the effect")
+        parts.append(f"{p} moves the IS-corrected gradient by {rel:.3f} of its norm (mean of "
+                     f"{len(t['rel'])} replicates; {rel / f:.2f} of the noise floor's {f:.2f}), "
+                     + ("**EQUIVALENT** within the declared margin" if eq else
+                        f"**not shown equivalent** within the declared margin {d['margin_relative_l2']}")
+                     + f"; {placement}; Gaussian per-token noise of its mean |Δ| would move replicate "
+                     f"{first}'s gradient by {iid:.4f} where the real drift moves it by {real:.3f}")
+    lines.append("**Weights channel.** " + "; ".join(parts) + ".")
+    same = all(b["without_is_gradient_unchanged"])
+    lines.append("**Without IS** " + (
+        f"the gradient was bit-identical whichever engine's logprobs the batch carried "
+        f"({len(b['without_is_gradient_unchanged'])} of {len(b['without_is_gradient_unchanged'])} checks): "
+        "there drift reaches the step only through forks." if same else
+        "the gradient moved with the behaviour logprobs in some checks: a bug to find before any claim.")
+        + f" The weights never moved (max |Δθ| {b['weights_moved_max_abs']:g}).")
+    sampling = []
+    for p in ("bf16", "fp8"):
+        same_seed = statistics.mean(x["cosine"] for x in b["sampling"][f"fp32 vs {p}, same seeds"]
+                                    if x["cosine"] is not None)
+        other = statistics.mean(x["relative_l2"] for x in b["sampling"][f"fp32 vs {p}, other seeds"]
+                                if x["relative_l2"] is not None)
+        sampling.append(f"{p} batches keep a cosine of {same_seed:.2f} with the fp32 batch of the same seeds, and "
+                        f"across seeds differ from fp32's by {other:.2f} (fp32 from itself: {f:.2f})")
+    lines.append("**Sampling channel.** " + "; ".join(sampling) + ".")
+    return "\n\n".join(lines)
+
+
+@block("exp-b-models")
+def _():
+    rows = []
+    for path in (EXP_B, EXP_B_MOE):
+        b = exp_b(path)
+        s = b["settings"]
+        floor = statistics.mean(x["relative_l2"] for x in b["sampling"]["fp32 vs fp32, other seeds (floor)"])
+        cells = [f"`{s['model']}` (T = {s['temperature']}, {s['groups']} × {s['group_size']})",
+                 f"{statistics.mean(b['datums']['fp32']):.1f}"]
+        for p in ("bf16", "fp8"):
+            t = b["tests"][p]
+            shuffled = statistics.mean(statistics.mean(x) for x in b["weights"][p]["permuted_relative_l2"])
+            cells += [f"{b['forks'][f'fp32 vs {p}']['forked']}/{b['forks'][f'fp32 vs {p}']['runs']}",
+                      f"{statistics.mean(t['rel']):.3f} ({shuffled:.3f})",
+                      "yes" if t["tost_rel"]["equivalent"] and t["tost_cos"]["equivalent"] else "no"]
+        rows.append(cells + [f"{floor:.2f}"])
+    return (table(["model (temperature, tasks × runs)", "trained sequences per batch", "bf16 forks",
+                   "bf16 weights channel (shuffled)", "bf16 within margin", "fp8 forks",
+                   "fp8 weights channel (shuffled)", "fp8 within margin", "noise floor"], list("lrrrlrrlr"), rows)
+            + f"\n\nRaw results: `{EXP_B}` and `{EXP_B_MOE}`. Machine: {exp_b(EXP_B_MOE)['machine']['platform']}, "
+            f"{exp_b(EXP_B_MOE)['machine']['cpus']} CPUs (both). Date: {exp_b(EXP_B_MOE)['date']} (tiny-moe), "
+            f"{exp_b(EXP_B)['date']} (tiny-start).")
+
+
+EXP_B_CAMPAIGN = "experiments/results/exp-b/campaign"
+EXP_B_SMOKE = "experiments/results/exp-b/smoke"
+
+
+@block("exp-b-training")
+def _():
+    """The full campaign when committed, else the local smoke, labelled as such; `rollmarket stats`'
+    comparison (bf16 and fp8 against fp32, TOST at the declared margin) recomputed from its files."""
+    from rollmarket.research.stats import campaign_report, load_campaign, report_dict
+
+    # The full campaign as keep_campaign.py keeps it (exp-b/campaign/) or as expc14's pack_campaign.py
+    # unpacks it (exp-b/ itself); until then the labelled smoke.
+    full = next((c for c in (EXP_B_CAMPAIGN, EXP_B_CAMPAIGN.rsplit("/", 1)[0])
+                 if (ROOT / c / "campaign.json").exists()), None)
+    smoke = full is None
+    if not smoke and (ROOT / EXP_B_SMOKE).exists():
+        raise RenderError(f"both {full} and {EXP_B_SMOKE} are committed: the full campaign replaces "
+                          f"the smoke; delete {EXP_B_SMOKE}")
+    where = EXP_B_SMOKE if smoke else full
+    root = ROOT / where
+    campaign = load_campaign(root)
+    for file in sorted(root.rglob("*")):
+        if file.is_file() and file.name != "manifest.json":
+            LOADED.add(str(file.relative_to(ROOT)))
+    m = load(f"{where}/manifest.json")
+    report = report_dict(campaign_report(campaign))
+    rows = []
+    for name in campaign.conditions:
+        for run in sorted(campaign.runs[name], key=lambda r: r.seed):
+            summary = json.loads((run.path / "summary.json").read_text())
+            before, after = summary["eval_before"], summary["eval_after"]
+            rows.append([name, str(run.seed), str(summary["steps"]),
+                         f"{before['eval/pass@1']:.3f} → {after['eval/pass@1']:.3f}",
+                         f"{before['eval/accuracy/mean']:.3f} → {after['eval/accuracy/mean']:.3f}"])
+    verdicts = []
+    for c in report["comparisons"]:
+        for x in c["metrics"]:
+            lo, hi = x["t_interval"]
+            eq = x.get("equivalence") or {}
+            verdicts.append([c["candidate"], f"`{x['metric']}`", str(x["n_seeds"]), signed(x["mean_difference"]),
+                             f"[{signed(lo)}, {signed(hi)}]", _p(x["sign_flip"]["p"]),
+                             _p(eq["p"]) if eq else "–", bold(x["verdict"], not smoke)])
+    head = (f"**SMOKE RUN, NOT EVIDENCE** — {m['note']}\n\n" if smoke else "")
+    return (head + f"Raw results: `{where}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
+            f"Code: {m['code']}.\n\n"
+            + table(["condition", "seed", "steps", "held-out sampled pass@1 before → after",
+                     "greedy accuracy before → after"], list("lrrll"), rows)
+            + "\n\nAgainst the fp32 baseline, seed by seed (`rollmarket stats`):\n\n"
+            + table(["candidate", "metric", "seeds", "Δ vs fp32", "95% t interval", "exact sign-flip p",
+                     "TOST p (±margin)", "verdict"], list("llrrlrrl"), verdicts)
+            + "\n\n" + "\n".join(f"- {c['candidate']}, `{x['metric']}`: {x['reason']}"
+                                  for c in report["comparisons"] for x in c["metrics"]))
+
+
 # ---- the shipped starting checkpoint (docs/models.md) ------------------------------------------------
 
 START = "models/tiny-start/build_report.json"

@@ -13,7 +13,7 @@ from .options import ModelDir, Refused, precision_list
 
 # The demo's defaults, written out so that `rollmarket demo --help` loads no torch (train/ does);
 # tests/test_train_demo.py checks they are TrainDemoConfig's.
-DEFAULTS = {"model": "models/tiny-start", "steps": 8, "groups": 6, "group_size": 4, "lr": 5e-5,
+DEFAULTS = {"model": "models/tiny-start", "steps": 8, "groups": 6, "group_size": 4, "lr": 1e-4,
             "precisions": "bf16,fp8", "drift": "fp16@lag3", "suite": "arithmetic", "eval_tasks": 64,
             "eval_samples": 4, "observe": False}
 

@@ -53,7 +53,7 @@ class TrainDemoConfig:
     steps: int = 8
     groups_per_step: int = 6
     group_size: int = 4
-    lr: float = 5e-5
+    lr: float = 1e-4
     eval_tasks: int = 64
     eval_samples: int = 4
     clamp: float = 0.1

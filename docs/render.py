@@ -1036,12 +1036,19 @@ def _():
         m = c["metrics"][0]
         lines.append(f"- **{c['candidate']} vs {c['baseline']}**: **{m['verdict']}**: {m['reason']}")
     grpo = a["gains"].get("grpo", [None])[0]
+    control = a["gains"].get("shuffled", [None])[0]
     goal = ""
     if grpo is not None:
         met = grpo["verdict"] == "CONFIRMED" and grpo["t_interval"][0] >= 0.20
         goal = (f"\n\nAgainst the goal (a gain of ≥ 0.20 held-out pass@1): the grpo gain's 95% t interval starts at "
                 f"{signed(grpo['t_interval'][0])}, so the goal is {'met' if met else 'not shown'}"
                 f"{'' if met else ' (its lower end is below 0.20)' if grpo['verdict'] == 'CONFIRMED' else ''}.")
+    if control is not None:
+        goal += (" The shuffled-reward control shows "
+                 + ("a gain: the reward is not the only thing that moved pass@1." if control["verdict"] == "CONFIRMED"
+                    else "no gain (" + {"EQUIVALENT": "equivalent to no change within the margin",
+                                        "REFUTED": "it got worse: updates on uninformative rewards degrade the policy",
+                                        }.get(control["verdict"], "not significant") + ")."))
     minutes = a["minutes"]
     timing = (f" Runs took {span(f'{min(minutes):.1f}', f'{max(minutes):.1f}')} min each on the machine above "
               "(summary.json); the ≤ 10 min budget is for one run alone on the 2-core box.") if minutes else ""

@@ -215,6 +215,7 @@ def test_experiment_a2_blocks_give_each_conditions_gain_and_grpo_against_the_con
     prose = render.BLOCKS["exp-a2-prose"]()
     # The goal: the grpo interval's lower end (0.249 by hand: 9.375/32 − 2.365·0.0527/√8) ≥ 0.20.
     assert "rose in 8 of 8 seeds" in prose and "the goal is met" in prose
+    assert "The shuffled-reward control shows no gain (equivalent to no change within the margin)." in prose
     assert "Runs took 6.0–6.5 min each" in prose
     assert "Machine: the test. Date: 2026-11-26." in render.BLOCKS["exp-a2-provenance"]()
 

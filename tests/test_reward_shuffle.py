@@ -131,7 +131,7 @@ def test_the_experiment_campaign_files_resolve_and_keep_their_declared_design():
     shuffle = {r.condition: r.config.reward.shuffle for r in a.runs}
     assert shuffle == {"grpo": "none", "shuffled": "batch"}
     for run in a.runs:
-        assert run.config.eval.samples >= 16 and run.config.eval.every == 0 and run.config.eval.tasks >= 64
+        assert run.config.eval.samples >= 16 and run.config.eval.every == 0 and run.config.eval.tasks >= 32
     assert a.stats["metrics"] == ["eval/pass@1@final"] and a.stats["baseline"] == "shuffled"
     StatsSettings.from_table(a.stats)  # `rollmarket stats` accepts the table
 
@@ -139,8 +139,8 @@ def test_the_experiment_campaign_files_resolve_and_keep_their_declared_design():
     assert len(c.seeds) >= 6 and c.stats["baseline"] == "default" and c.stats["metrics"] == ["eval/pass@1@final"]
     StatsSettings.from_table(c.stats)
     gates = {r.condition: (r.config.gate.min_ess, r.config.gate.max_policy_lag) for r in c.runs}
-    assert gates == {"default": (0.3, 8), "lag2": (0.3, 2), "lag1": (0.3, 1), "lag0": (0.3, 0), "ess99": (0.99, 8)}
+    assert gates == {"default": (0.3, 8), "lag0": (0.3, 0)}
     for run in c.runs:  # a drifting worker in async mode, replay on: only the thresholds differ
         assert run.config.loop.mode == "async" and run.config.loop.replay
         assert any(spec.reload_lag > 0 for spec in run.config.local.specs)
-    assert len(c.runs) <= 32, "(c) must fit one wave on 32 cores"
+    assert len(c.runs) <= 12, "(c) must fit about 25 minutes on the 2-core box"

@@ -825,11 +825,15 @@ def _():
     )
 
 
+def campaign_provenance(where: str, m: dict) -> str:
+    """The line naming a packed campaign's raw results, machine, date and code (its manifest.json)."""
+    return (f"Raw results: `{where}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
+            f"Code: {m['code']}.")
+
+
 @block("exp-a-provenance")
 def _():
-    m = exp_a()["manifest"]
-    return (f"Raw results: `{EXP_A}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
-            f"Code: {m['code']}.")
+    return campaign_provenance(EXP_A, exp_a()["manifest"])
 
 
 @block("exp-a-seeds")
@@ -964,9 +968,7 @@ def _():
     a = exp_a2()
     if a is None:
         return pending(EXP_A2, "configs/exp-a-campaign.toml")
-    m = a["manifest"]
-    return (f"Raw results: `{EXP_A2}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
-            f"Code: {m['code']}.")
+    return campaign_provenance(EXP_A2, a["manifest"])
 
 
 @block("exp-a2-seeds")
@@ -1104,9 +1106,7 @@ def _():
     c = exp_c()
     if c is None:
         return pending(EXP_C, "configs/exp-c-campaign.toml")
-    m = c["manifest"]
-    return (f"Raw results: `{EXP_C}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
-            f"Code: {m['code']}.")
+    return campaign_provenance(EXP_C, c["manifest"])
 
 
 @block("exp-c-pass")
@@ -1460,10 +1460,9 @@ def _():
     comparison (bf16 and fp8 against fp32, TOST at the declared margin) recomputed from its files."""
     from rollmarket.research.stats import campaign_report, load_campaign, report_dict
 
-    # The full campaign as keep_campaign.py keeps it (exp-b/campaign/) or as expc14's pack_campaign.py
-    # unpacks it (exp-b/ itself); until then the labelled smoke.
-    full = next((c for c in (EXP_B_CAMPAIGN, EXP_B_CAMPAIGN.rsplit("/", 1)[0])
-                 if (ROOT / c / "campaign.json").exists()), None)
+    # The full campaign as experiments/pack_campaign.py packs it (exp-b/campaign/); until then the
+    # labelled smoke.
+    full = EXP_B_CAMPAIGN if (ROOT / EXP_B_CAMPAIGN / "campaign.json").exists() else None
     smoke = full is None
     if not smoke and (ROOT / EXP_B_SMOKE).exists():
         raise RenderError(f"both {full} and {EXP_B_SMOKE} are committed: the full campaign replaces "
@@ -1493,8 +1492,7 @@ def _():
                              f"[{signed(lo)}, {signed(hi)}]", _p(x["sign_flip"]["p"]),
                              _p(eq["p"]) if eq else "–", bold(x["verdict"], not smoke)])
     head = (f"**SMOKE RUN, NOT EVIDENCE** — {m['note']}\n\n" if smoke else "")
-    return (head + f"Raw results: `{where}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
-            f"Code: {m['code']}.\n\n"
+    return (head + campaign_provenance(where, m) + "\n\n"
             + table(["condition", "seed", "steps", "held-out sampled pass@1 before → after",
                      "greedy accuracy before → after"], list("lrrll"), rows)
             + "\n\nAgainst the fp32 baseline, seed by seed (`rollmarket stats`):\n\n"

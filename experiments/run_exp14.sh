@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 14's experiments (a) and (c) on a machine with many CPU cores (the runs use the CPU; one
-# torch thread per process). Wheels for packages that machine lacks travel in .whl/ (as for
-# experiments/device_run.sh).
-#   bash experiments/run_exp14.sh start [a|c|ac]   # start the campaigns in the background
-#   bash experiments/run_exp14.sh wait S           # wait up to S seconds, then pack into $OUT
-# Packing: each finished campaign becomes $OUT/results/exp-a2 or exp-c (experiments/pack_campaign.py:
-# its raw files and a manifest.json naming this machine); unpack with
-#   tar xzf results.tgz -C experiments/results && python docs/render.py
-# A campaign that did not finish is packed raw into $OUT/unfinished.tgz (no checkpoints) and can
-# be resumed where its directory still exists: rollmarket campaign --resume /tmp/exp14/exp-c
+# Issue 14's experiments (a), (b) and (c) on a machine with many CPU cores (the runs use the CPU; one
+# torch thread per process). Wheels for packages that machine lacks travel in .whl/ (a folder of
+# wheels for that machine's Python, carried with the working tree).
+#   bash experiments/run_exp14.sh start [a|b|c|abc] # start the campaigns in the background
+#   bash experiments/run_exp14.sh wait S            # wait up to S seconds, then pack into $OUT/out.tgz
+# Packing: ONE file, $OUT/out.tgz (the lent machine's output limit counts files: several tarballs
+# were once left behind). Inside: results/ — each finished campaign as experiments/pack_campaign.py
+# packs it (exp-a2/, exp-c/, exp-b/campaign/: raw files and a manifest.json naming this machine);
+# unfinished/ — every campaign directory as it stands (no checkpoints), resumable by rerunning its
+# campaign command on it; and the logs and `rollmarket stats` outputs. Unpack with
+#   tar xzf out.tgz && cp -r results/* experiments/results/ && python docs/render.py
 # Parallelism: A_PARALLEL (default 16: every run of (a) at once) and C_PARALLEL (default 30).
 set -u
 cd "$(dirname "$0")/.."
@@ -42,18 +43,20 @@ wait)
   mkdir -p $OUT/results
   for name in exp-a2 exp-b exp-c; do
     [ -d $EXP/$name ] || continue
+    dest=$OUT/results/$name
     case $name in exp-a2) cmd=$A_CMD; q="Does a short CPU run raise held-out sampled pass@1, and is it the reward?";;
                   exp-c) cmd=$C_CMD; q="Which gate thresholds still let training converge when rollouts drift?";;
-                  exp-b) cmd=$B_CMD; q="Does engine drift change what training reaches?";; esac
+                  exp-b) cmd=$B_CMD; dest=$OUT/results/exp-b/campaign; q="Does engine drift change what training reaches?";; esac
     python3 -m rollmarket stats $EXP/$name > $EXP/$name.stats.txt 2>&1
     python3 -m rollmarket stats $EXP/$name --before-after > $EXP/$name.before-after.txt 2>&1
-    python3 experiments/pack_campaign.py $EXP/$name $OUT/results/$name --question "$q" --command "$cmd" \
-      --note "${NOTE:-}" > /dev/null || echo "$name not packed (unfinished): see unfinished.tgz"
+    python3 experiments/pack_campaign.py $EXP/$name $dest --question "$q" --command "$cmd" \
+      --note "${NOTE:-}" > /dev/null || echo "$name not packed (unfinished): see unfinished/"
   done
-  (cd $OUT && tar czf results.tgz -C results . && rm -rf results)
-  (cd $EXP && tar czf $OUT/unfinished.tgz --exclude=checkpoints --exclude=exchange.db --exclude=generations.jsonl \
-     --exclude=workers --exclude=logs --exclude='*.lock' . 2>/dev/null)
+  mkdir -p $OUT/unfinished
+  (cd $EXP && tar cf - --exclude=checkpoints --exclude='exchange.db*' --exclude=generations.jsonl \
+     --exclude=workers --exclude=logs --exclude='*.lock' $(ls -d exp-* 2>/dev/null) | tar xf - -C $OUT/unfinished)
   cp $EXP/*.txt $EXP/*.log $OUT/ 2>/dev/null
+  (cd $OUT && tar czf out.tgz --remove-files results unfinished $(ls *.txt *.log 2>/dev/null))
   ls -la $OUT
   ;;
 esac

@@ -221,3 +221,15 @@ def test_models_cli_builds_and_describes(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert info.returncode == 0, info.stderr
     assert "Qwen3MoeForCausalLM" in info.stdout and "8" in info.stdout and "calculator" in info.stdout
+
+
+def test_building_tiny_start_without_tiny_moe_is_a_usage_error(tmp_path):
+    """`--only start` fine-tunes <out>/tiny-moe: without it the CLI says so and writes nothing."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "models", "build", "--quick", "--only", "start",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "tiny-moe" in done.stderr and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -79,7 +79,10 @@ def build_command(out_dir: Path, seed: int, steps: int | None, moe_steps: int | 
             elif kind == "done":
                 _print_report(fields["report"])
 
-        build(config, on_event)
+        try:
+            build(config, on_event)
+        except FileNotFoundError as exc:  # --only moe/start without the model it starts from
+            raise click.UsageError(str(exc)) from None
     console.print(f"wrote {', '.join(str(out_dir / n) for n in config.only)}")
 
 

@@ -82,35 +82,23 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
     world = load_world()
     emit("stage", {"text": "generating tasks"})
     heldout = generate_split("heldout", config.eval_per_family, world)
-    train_tasks = generate_split("train", config.train_per_family, world, exclude_prompts={t.prompt for t in heldout})
     dense_dir, moe_dir = config.out / "tiny-dense", config.out / "tiny-moe"
-    reuse_dense = config.upcycle and "tiny-moe" in config.only and "tiny-dense" not in config.only
-    reuse_moe = "tiny-start" in config.only and "tiny-moe" not in config.only
-    moe = None
-    if reuse_moe:
+    gold_models = [name for name in config.only if name != "tiny-start"]
+    # Gold trajectories train tiny-dense and tiny-moe and the tokenizer; tiny-start alone needs none.
+    train_tasks = (generate_split("train", config.train_per_family, world, exclude_prompts={t.prompt for t in heldout})
+                   if gold_models else [])
+    dense = moe = None
+    if "tiny-start" in config.only and "tiny-moe" not in config.only:
         # tiny-start is fine-tuned from tiny-moe: take the one already built, with its tokenizer.
-        if not (moe_dir / "model.safetensors").exists():
-            raise FileNotFoundError(f"tiny-start starts from a built {moe_dir}; build tiny-moe first")
-        emit("stage", {"text": f"loading {moe_dir} to fine-tune tiny-start from"})
-        tokenizer = AutoTokenizer.from_pretrained(moe_dir)
-        moe = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
-        dense = None
-    elif reuse_dense:
+        tokenizer, moe = _load_built(moe_dir, "fine-tuning tiny-start", emit)
+    elif config.upcycle and "tiny-moe" in config.only and "tiny-dense" not in config.only:
         # Upcycling needs the dense model and its tokenizer: take the ones already built.
-        if not (dense_dir / "model.safetensors").exists():
-            raise FileNotFoundError(f"upcycling tiny-moe needs a built {dense_dir}; build dense first")
-        emit("stage", {"text": f"loading {dense_dir} to upcycle"})
-        tokenizer = AutoTokenizer.from_pretrained(dense_dir)
-        dense = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+        tokenizer, dense = _load_built(dense_dir, "upcycling tiny-moe", emit)
     else:
         emit("stage", {"text": f"training the tokenizer on {len(train_tasks)} trajectories"})
         tokenizer = train_tokenizer(tokenizer_texts(train_tasks, world), config.vocab_size)
-        dense = None
     ids = special_ids(tokenizer)
     examples = [encode(t, tokenizer) for t in train_tasks]
-    data = {"train_tasks": dict(Counter(t.family for t in train_tasks)), "heldout_tasks": len(heldout),
-            "train_tokens": sum(len(e.input_ids_T) for e in examples),
-            "train_assistant_tokens": sum(sum(e.loss_mask_T) for e in examples)}
 
     reports: dict[str, dict] = {}
     for name in config.only:
@@ -157,7 +145,8 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
             "train": {**asdict(train_config), "steps_done": result.steps_done, "wall_s": round(result.wall_s, 1),
                       "stopped_by_time": result.stopped_by_time, "shared_prefix_tokens": result.prefix_len},
             "loss": result.summary(),
-            "data": {**data, "vocab_size": len(tokenizer), "world_seed": world.seed},
+            "data": {**_data_report(model_examples), "heldout_tasks": len(heldout), "vocab_size": len(tokenizer),
+                     "world_seed": world.seed},
             "eval": {"families": scores["families"], "overall": scores["overall"], "n": scores["n"],
                      "wall_s": round(eval_s, 1), "max_turns": 4, "decoding": "greedy"},
             "versions": {"rollmarket": __version__, "torch": torch.__version__,
@@ -179,6 +168,21 @@ def build(config: BuildConfig, on_event: EventSink | None = None) -> dict[str, d
             moe = model
         emit("done", {"model": name, "report": report})
     return reports
+
+
+def _data_report(examples: list) -> dict:
+    """What a model trained on: sequences per family, tokens, and the assistant tokens the loss sees."""
+    return {"train_tasks": dict(Counter(e.family for e in examples)),
+            "train_tokens": sum(len(e.input_ids_T) for e in examples),
+            "train_assistant_tokens": sum(sum(e.loss_mask_T) for e in examples)}
+
+
+def _load_built(path: Path, purpose: str, emit: EventSink):
+    """(tokenizer, float32 model) of a model this build made earlier, for `purpose`."""
+    if not (path / "model.safetensors").exists():
+        raise FileNotFoundError(f"{purpose} needs a built {path}; build it first")
+    emit("stage", {"text": f"loading {path} for {purpose}"})
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def _start_examples(config: BuildConfig, world, heldout, tokenizer) -> list:

@@ -592,6 +592,29 @@ CLI = "benchmarks/results/cli_startup.json"
 DENSE = "benchmarks/results/dense_summary.json"
 
 
+LEARNING = "benchmarks/results/learning_budget.json"
+
+
+@block("learning-budget")
+def _():
+    """Issue 14's budgets: `make demo` and one run of experiment (a), each alone on the machine."""
+    meta = load(LEARNING)
+    out = []
+    for r in meta["rows"]:
+        before, after = r["pass1_before"], r["pass1_after"]
+        if isinstance(before, dict):  # the demo: means with 95% t intervals over tasks, gain paired by task
+            g = r["gain"]
+            learned = (f"{before['mean']:.3f} → {after['mean']:.3f}, gain {signed(g['mean'])} "
+                       f"[{signed(g['lo'])}, {signed(g['hi'])}]")
+        else:
+            learned = f"{before:.3f} → {after:.3f}"
+        out.append([r["case"], str(r["steps"]), r["eval"], learned, f"{r['seconds'] / 60:.1f}",
+                    f"{r['budget_s'] / 60:.0f}", bold(times(r["ratio"]), r["ratio"] >= 1)])
+    return (provenance(LEARNING, meta) + "\n\n"
+            + table(["case", "steps", "held-out eval", "held-out sampled pass@1 before → after", "minutes",
+                     "budget (min)", "budget / measured"], list("lrllrrr"), out))
+
+
 @block("agent-provenance")
 def _():
     return provenance(AGENT, load(AGENT))
@@ -827,8 +850,8 @@ def _():
 
 def campaign_provenance(where: str, m: dict) -> str:
     """The line naming a packed campaign's raw results, machine, date and code (its manifest.json)."""
-    return (f"Raw results: `{where}/` ({m['source']}). Machine: {m['machine']}. Date: {m['date']}. "
-            f"Code: {m['code']}.")
+    return (f"Raw results: `{where}/` ({m['source']}). Machine: {m['machine'].rstrip('.')}. Date: {m['date']}. "
+            f"Code: {m['code'].rstrip('.')}.")
 
 
 @block("exp-a-provenance")

@@ -10,13 +10,14 @@
 # unfinished/ — every campaign directory as it stands (no checkpoints), resumable by rerunning its
 # campaign command on it; and the logs and `rollmarket stats` outputs. Unpack with
 #   tar xzf out.tgz && cp -r results/* experiments/results/ && python docs/render.py
-# Parallelism: A_PARALLEL (default 16: every run of (a) at once) and C_PARALLEL (default 30).
+# Parallelism: A_PARALLEL (default 16), B_PARALLEL (24) and C_PARALLEL (48): every run of each at once.
+# (b) and (c) together (72 runs) were sized for a 64-core machine: bash experiments/run_exp14.sh start bc
 set -u
 cd "$(dirname "$0")/.."
 EXP=/tmp/exp14
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 A_CMD="rollmarket campaign configs/exp-a-campaign.toml --out $EXP/exp-a2 --parallel ${A_PARALLEL:-16}"
-C_CMD="rollmarket campaign configs/exp-c-campaign.toml --out $EXP/exp-c --parallel ${C_PARALLEL:-30}"
+C_CMD="rollmarket campaign configs/exp-c-campaign.toml --out $EXP/exp-c --parallel ${C_PARALLEL:-48}"
 B_CMD="rollmarket campaign configs/exp-b-campaign.toml --out $EXP/exp-b --parallel ${B_PARALLEL:-24}"
 case "$1" in
 start)
@@ -35,7 +36,7 @@ wait)
   while [ $SECONDS -lt $end ]; do
     a=$(ls $EXP/exp-a2/runs/*/*/summary.json 2>/dev/null | wc -l); c=$(ls $EXP/exp-c/runs/*/*/summary.json 2>/dev/null | wc -l)
     b=$(ls $EXP/exp-b/runs/*/*/summary.json 2>/dev/null | wc -l)
-    echo "$(date -u +%T) exp-a2 $a/16 exp-b $b/24 exp-c $c/30 load $(cut -d' ' -f1 /proc/loadavg) mem $(free -g | awk '/Mem/{print $3"/"$2}')G"
+    echo "$(date -u +%T) exp-a2 $a/16 exp-b $b/24 exp-c $c/48 load $(cut -d' ' -f1 /proc/loadavg) mem $(free -g | awk '/Mem/{print $3"/"$2}')G"
     if ! pgrep -f "rollmarket campaign configs/exp-" > /dev/null; then echo "no campaign process left"; break; fi
     sleep 30
   done

@@ -139,8 +139,9 @@ def test_the_experiment_campaign_files_resolve_and_keep_their_declared_design():
     assert len(c.seeds) >= 6 and c.stats["baseline"] == "default" and c.stats["metrics"] == ["eval/pass@1@final"]
     StatsSettings.from_table(c.stats)
     gates = {r.condition: (r.config.gate.min_ess, r.config.gate.max_policy_lag) for r in c.runs}
-    assert gates == {"default": (0.3, 8), "lag0": (0.3, 0)}
+    assert gates == {"default": (0.3, 8), "lag2": (0.3, 2), "lag1": (0.3, 1), "lag0": (0.3, 0),
+                     "ess99": (0.99, 8), "ess999": (0.999, 8)}
     for run in c.runs:  # a drifting worker in async mode, replay on: only the thresholds differ
         assert run.config.loop.mode == "async" and run.config.loop.replay
         assert any(spec.reload_lag > 0 for spec in run.config.local.specs)
-    assert len(c.runs) <= 12, "(c) must fit about 25 minutes on the 2-core box"
+    assert len(c.seeds) >= 8 and len(c.runs) == 48  # the committed result (experiments/results/exp-c) ran these

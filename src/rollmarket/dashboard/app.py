@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -37,6 +38,29 @@ def _error_body(exc: DashboardError) -> ErrorBody:
     return ErrorBody(error=ErrorDetail(code=code, message=exc.message, reasons=[exc.missing.value], details=details))
 
 
+class ServerTiming:
+    """ASGI middleware: a `Server-Timing: app;dur=<ms>` header on every response, the time from the
+    request to the response's start (the page built and serialized; not its transfer). The browser's
+    devtools show it, and benchmarks/dashboard_open.py reads it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+
+        async def timed_send(message):
+            if message["type"] == "http.response.start":
+                ms = (time.perf_counter() - started) * 1000
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"server-timing", f"app;dur={ms:.1f}".encode())]}
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
 def create_dashboard_app(runs_dir: Path) -> FastAPI:
     """The dashboard over every run under `runs_dir` (read on each request)."""
     runs = Runs(Path(runs_dir))
@@ -46,6 +70,7 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     app = FastAPI(title="rollmarket observatory dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = runs
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_middleware(ServerTiming)
 
     def html(template: str, record: Record, here: Page) -> HTMLResponse:
         return HTMLResponse(renderer.render(template, record, Linker(here, static=False)))

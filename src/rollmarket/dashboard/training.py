@@ -1,17 +1,14 @@
 """The training run page (`/train/<id>`): a run's metrics.jsonl as columns, its held-out evaluation
 with a 95% interval over tasks from evals.jsonl, and the charts the page draws by default.
 
-Columns are built incrementally: `JsonlTail` hands over the rows appended since the last request
-and only those are added, so a live run's page and its poll (`/train/<id>/metrics.json?after=N`)
+Columns are built incrementally (runs.MetricColumns): only the rows appended since the last request
+are parsed and added, so a live run's page and its poll (`/train/<id>/metrics.json?after=N`)
 cost the new steps. Nothing here imports torch (the dashboard is a service).
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from bisect import bisect_right
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +17,7 @@ from pydantic import Field
 
 from ..contracts import Record
 from .data import DashboardError, Missing
-from .runs import TAIL, RunEntry, RunIndex, RunKind, RunStatus, stat_key, read_json
+from .runs import COLUMNS, TAIL, RunEntry, RunIndex, RunKind, RunStatus, read_json, stat_key
 
 POLL_S = 2.0
 """How often a running run's page asks for new steps."""
@@ -77,74 +74,6 @@ class TrainPage(Record):
     overlays: list[Series] = Field(description="Other runs drawn on the same charts (?overlay=<id>,<id>).")
     rollouts: bool = Field(description="Whether generations.jsonl exists (the rollouts table has rows).")
     poll_s: float = POLL_S
-
-
-# ----------------------------------------------------------------------------- columns
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
-@dataclass
-class _Columns:
-    rows: list[dict] = field(default_factory=list)
-    """The row list (from JsonlTail) these columns were built from."""
-    steps: list[int] = field(default_factory=list)
-    wall_s: list[float] = field(default_factory=list)
-    tokens: list[float] = field(default_factory=list)
-    columns: dict[str, list[float | None]] = field(default_factory=dict)
-
-    def extend(self, rows: list[dict]) -> None:
-        for row in rows:
-            step = row.get("step")
-            if isinstance(step, bool) or not isinstance(step, int):
-                continue
-            i = len(self.steps)
-            self.steps.append(step)
-            self.wall_s.append((self.wall_s[-1] if i else 0.0) + (_number(row.get("timing_s/step")) or 0.0))
-            self.tokens.append((self.tokens[-1] if i else 0.0) + (_number(row.get("perf/total_num_tokens")) or 0.0))
-            for key, value in row.items():
-                number = _number(value)
-                if key == "step" or number is None:
-                    continue
-                column = self.columns.get(key)
-                if column is None:
-                    column = self.columns[key] = [None] * i
-                column.append(number)
-            for column in self.columns.values():
-                if len(column) == i:
-                    column.append(None)
-
-
-class MetricColumns:
-    """metrics.jsonl of each run as columns, extended with the rows appended since the last read."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, _Columns] = {}
-        self._lock = threading.Lock()
-
-    def get(self, path: Path) -> _Columns:
-        rows = TAIL.rows(path)
-        with self._lock:
-            cols = self._cache.get(str(path))
-            grew = cols is not None and len(rows) >= len(cols.rows) and (
-                not cols.rows or rows[len(cols.rows) - 1] is cols.rows[-1])
-            if cols is None or not grew:
-                cols = self._cache[str(path)] = _Columns()
-            if rows is not cols.rows:
-                done = len(cols.rows)
-                # A fresh object: a response being built from the old one keeps consistent lists.
-                new = _Columns(rows=rows, steps=list(cols.steps), wall_s=list(cols.wall_s), tokens=list(cols.tokens),
-                               columns={k: list(v) for k, v in cols.columns.items()})
-                new.extend(rows[done:])
-                cols = self._cache[str(path)] = new
-            return cols
-
-
-COLUMNS = MetricColumns()
 
 
 # ----------------------------------------------------------------------------- held-out evaluation
@@ -280,15 +209,15 @@ class TrainingRuns:
 
     @staticmethod
     def _series(entry: RunEntry, path: Path, after: int | None) -> Series:
-        cols = COLUMNS.get(path / "metrics.jsonl")
-        # Steps increase down the file (the trainer repairs it on resume), so `after` is a cut.
-        start = 0 if after is None else bisect_right(cols.steps, after)
-        last = cols.steps[-1] if cols.steps else None
+        view = COLUMNS.view(path / "metrics.jsonl", after)
+        last = view.last_step
         # An evaluation is written before its step's metrics row: it shows with that row, once.
         evals = [p for p in eval_points(path) if last is not None and p.step <= last and (after is None or p.step > after)]
-        return Series(run_id=entry.run_id, status=entry.status, after=after, steps=cols.steps[start:],
-                      wall_s=cols.wall_s[start:], tokens=cols.tokens[start:],
-                      columns={k: v[start:] for k, v in cols.columns.items()}, evals=evals, last_step=last)
+        # Built without validation: the columns are floats and Nones by construction (runs.Columns), and
+        # checking a million of them again would cost more than reading them.
+        return Series.model_construct(run_id=entry.run_id, status=entry.status, after=after, steps=view.steps,
+                                      wall_s=view.wall_s, tokens=view.tokens, columns=view.columns, evals=evals,
+                                      last_step=last)
 
     def page(self, run_id: str, overlay: str | None = None) -> TrainPage:
         entry, path = self.entry(run_id)

@@ -185,6 +185,8 @@ def test_metrics_twin_gives_only_newer_steps(client, runs_dir):
     assert all(len(v) == 5 for v in data["columns"].values())
     assert sorted({p["step"] for p in data["evals"]}) == [9, 12]
     assert client.get(f"/train/{DONE}/metrics.json?after=12").json()["steps"] == []
+    # The server's own time rides along (benchmarks/dashboard_open.py reads it).
+    assert re.fullmatch(r"app;dur=\d+\.\d", client.get(f"/train/{DONE}/metrics.json?after=7").headers["server-timing"])
     bad = client.get(f"/train/{DONE}/metrics.json?after=seven")
     assert bad.status_code == 400 and bad.json()["error"]["details"]["parameter"] == "after"
 

@@ -40,6 +40,13 @@
     });
     table.dataset.sort = (descending ? "-" : "") + heads[index].dataset.key;
   }
+  // The server's order (?sort=) shows on its column until a click sorts in the page.
+  var initial = table.dataset.sort || "";
+  Array.prototype.forEach.call(heads, function (head) {
+    if (head.dataset.key && head.dataset.key === initial.replace(/^-/, "")) {
+      head.classList.add(initial.charAt(0) === "-" ? "desc" : "asc");
+    }
+  });
   Array.prototype.forEach.call(heads, function (head, index) {
     if (!head.dataset.key) return;
     function click() { sortBy(index, head.classList.contains("asc")); }

@@ -694,8 +694,8 @@ def _():
     poll = next(r for r in rows if r["request"].startswith("live poll"))
     verdict = "under" if first < 1000 else "over"
     return (
-        f"A 10,000-step run opens in {first:.0f} ms the first time ({verdict} a second on this loaded 2-core box), "
-        f"when every file is parsed,\nand in {again:.0f} ms after that (the columns are cached: the rest is "
+        f"A 10,000-step run opens in {first:.0f} ms the first time ({verdict} a second on this loaded 2-core box),\n"
+        f"when every file is parsed, and in {again:.0f} ms after that (the columns are cached: the rest is "
         f"serializing {poll['case'].split(' × ')[0]} of every metric). A\nlive page's poll for one new row "
         f"costs {poll['ms']:.1f} ms against {poll['naive_ms']:.0f} ms re-parsing the file "
         f"({times(poll['ratio'], 0)} faster)."

@@ -125,6 +125,30 @@ def test_index_filters_and_sorts_on_the_server(client):
         assert client.get("/?" + query).status_code == 400
 
 
+def test_a_campaign_runs_while_its_lock_is_held(tmp_path):
+    """The campaign process holds CAMPAIGN_DIR/.lock (flock): held, the campaign and its unfinished run
+    are running; released, both are crashed, however fresh the run's files."""
+    import fcntl
+
+    camp = tmp_path / CAMPAIGN
+    run = write_training_run(camp / "runs" / "base__s1" / LIVE, 2, planned=5, finished=False)
+    (camp / "campaign.json").write_text(json.dumps({"name": CAMPAIGN, "runs": [
+        {"condition": "base", "seed": 1, "dir": str(run), "status": "running"}]}))
+    client = TestClient(create_dashboard_app(tmp_path))
+
+    def statuses() -> dict[str, str]:
+        return {e["run_id"]: e["status"] for e in client.get("/index.json").json()["entries"]}
+
+    fd = os.open(camp / ".lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert statuses() == {CAMPAIGN: "running", LIVE: "running"}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        assert statuses() == {CAMPAIGN: "crashed", LIVE: "crashed"}
+    finally:
+        os.close(fd)
+
+
 # ----------------------------------------------------------------------------- the training page
 
 
@@ -237,6 +261,17 @@ def test_train_page_links_rollouts_campaign_and_twin(client):
     index = client.get("/").text
     assert f'href="train/{DEMO}"' in index and f'href="runs/{OBSERVE}"' in index
     assert f'href="campaigns/{CAMPAIGN}"' in index
+
+
+def test_reading_writes_nothing(client, runs_dir):
+    def snapshot() -> dict[str, tuple[int, int]]:
+        return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in runs_dir.rglob("*")}
+
+    before = snapshot()
+    for url in ("/", "/index.json?sort=pass1", f"/train/{DONE}", f"/train/{DONE}.json?overlay={OTHER}",
+                f"/train/{LIVE}/metrics.json?after=1", "/train/nope", f"/runs/{OBSERVE}"):
+        client.get(url)
+    assert snapshot() == before
 
 
 # ----------------------------------------------------------------------------- in the browser

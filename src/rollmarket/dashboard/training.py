@@ -230,6 +230,8 @@ class TrainingRuns:
         try:
             config = read_json(path / "config.json") or {}
             summary = read_json(path / "summary.json")
+            if not isinstance(config, dict) or not isinstance(summary, (dict, type(None))):
+                raise ValueError("config.json and summary.json must hold JSON objects")
         except ValueError as exc:
             raise DashboardError(Missing.unreadable_run, f"{path}: {exc}", run_id=run_id) from None
         return TrainPage(run=entry, config=config, summary=summary, groups=key_groups(set(metrics.columns)),

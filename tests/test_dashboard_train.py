@@ -274,6 +274,18 @@ def test_reading_writes_nothing(client, runs_dir):
     assert snapshot() == before
 
 
+def test_the_training_pages_never_import_torch(runs_dir):
+    """The dashboard is a service: serving the index and a training page, its poll and the interval
+    band (scipy) loads neither torch nor transformers."""
+    code = (f"import sys; from fastapi.testclient import TestClient; "
+            f"from rollmarket.dashboard import create_dashboard_app; c = TestClient(create_dashboard_app({str(runs_dir)!r})); "
+            f"assert all(c.get(u).status_code == 200 for u in ('/', '/train/{DONE}', '/train/{LIVE}/metrics.json?after=1')); "
+            f"print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 # ----------------------------------------------------------------------------- in the browser
 
 

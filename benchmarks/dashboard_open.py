@@ -14,8 +14,9 @@ Each case writes a run into a temporary directory and times requests through the
                 reader would do (a first open is exactly that, so its ratio is 1)
 
 Time is the app's own (its Server-Timing header: the page built and serialized, not the transfer),
-the best of --repeats. Helper parts add their cases with `@case(...)` (the rollouts table's
-100,000 generations is one); each returns rows of {case, request, ms, naive_ms, bytes}.
+the best of --repeats. Other pages add their cases with `@case(...)` (the rollouts table's 100,000
+generations is one); each returns rows of {part, case, request, ms, naive_ms, bytes}, and
+docs/render.py's dashboard blocks show every row.
 
     .venv/bin/python benchmarks/dashboard_open.py
     .venv/bin/python benchmarks/dashboard_open.py --steps 2000 --repeats 3
@@ -104,8 +105,10 @@ def training_run(work: Path, args) -> list[dict]:
         # one (best of repeats, each after emptying the caches) and compared with nothing.
         first, size = timed(client, url, args.repeats, before=empty_caches)
         again, _ = timed(client, url, args.repeats)
-        rows.append({"case": label, "request": f"first open: {request}", "ms": first, "naive_ms": first, "bytes": size})
-        rows.append({"case": label, "request": f"open again: {request}", "ms": again, "naive_ms": first, "bytes": size})
+        rows.append({"part": "training", "case": label, "request": f"first open: {request}", "ms": first,
+                     "naive_ms": first, "bytes": size})
+        rows.append({"part": "training", "case": label, "request": f"open again: {request}", "ms": again,
+                     "naive_ms": first, "bytes": size})
     client = TestClient(create_dashboard_app(root))
     client.get(f"/train/{RUN}.json")
     step = args.steps
@@ -117,11 +120,12 @@ def training_run(work: Path, args) -> list[dict]:
         ms, size = timed(client, f"/train/{RUN}/metrics.json?after={step - 1}", 1)
         best = min(best, ms)
         naive = min(naive, timed(client, f"/train/{RUN}/metrics.json?after={step - 1}", 1, before=empty_caches)[0])
-    rows.append({"case": label, "request": "live poll: one new row", "ms": best, "naive_ms": naive, "bytes": size})
+    rows.append({"part": "training", "case": label, "request": "live poll: one new row", "ms": best, "naive_ms": naive,
+                 "bytes": size})
     ms, size = timed(client, "/", args.repeats)
     naive, _ = timed(client, "/", args.repeats, before=empty_caches)
-    rows.append({"case": f"index of {args.others + 1} runs", "request": "index page", "ms": ms, "naive_ms": naive,
-                 "bytes": size})
+    rows.append({"part": "index", "case": f"index of {args.others + 1} runs", "request": "index page", "ms": ms,
+                 "naive_ms": naive, "bytes": size})
     return rows
 
 

@@ -61,6 +61,21 @@ def test_demo_trains_through_the_exchange_with_a_drifting_worker_and_says_what_i
     assert f"before {np.mean(before):.3f}" in text and "held-out sampled pass@1 (4 tasks × 2 samples" in text
     assert f"rollmarket dashboard --runs {tmp_path}" in text
 
+    # What that command shows: the run in the index as a finished demo, and its page's held-out band
+    # the same pass@1 and interval as the demo printed (the dashboard computes it without research/).
+    from fastapi.testclient import TestClient
+
+    from rollmarket.dashboard import create_dashboard_app
+
+    client = TestClient(create_dashboard_app(tmp_path))
+    entry = next(e for e in client.get("/index.json").json()["entries"] if e["run_id"] == run_dir.name)
+    assert (entry["kind"], entry["status"], entry["steps_done"]) == ("demo", "finished", 3)
+    band = {p["step"]: p for p in client.get(f"/train/{run_dir.name}.json").json()["metrics"]["evals"]
+            if p["metric"] == "eval/pass@1"}
+    for step, name in ((0, "before"), (3, "after")):
+        got = summary["pass1"][name]
+        assert np.allclose([band[step][k] for k in ("mean", "lo", "hi")], [got[k] for k in ("mean", "lo", "hi")])
+
     # Real worker processes, one per precision and the drifting one, which told the exchange its lag.
     with sqlite3.connect(run_dir / "exchange.db") as db:
         lags = {w: json.loads(m).get("max_reload_lag") for w, m in db.execute("SELECT worker_id, manifest FROM workers")}

@@ -1,6 +1,8 @@
 """The observatory dashboard as a FastAPI app: server-rendered pages, each with a `.json` twin.
 
-    /                                           runs, newest first        (/index.json)
+    /                                           runs of every kind; ?kind=&status=&q=&sort=  (/index.json)
+    /train/<run_id>                             a training run's curves; ?overlay=<id>,<id>
+    /train/<run_id>/metrics.json                its metrics as columns; ?after=<step> gives the newer steps
     /runs/<run_id>                              matrices, worst token, length scaling, divergence
     /runs/<run_id>/trajectory/<rollout>/<id>    the viewer; ?trainer=<engine>&compare=<rollout engine>
     /metrics                                    what every number means
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -20,6 +23,8 @@ from ..contracts.errors import ErrorBody, ErrorCode, ErrorDetail
 from .data import DashboardError, Missing, Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
+from .runs import RunIndex, index_page
+from .training import TrainingRuns, parse_after
 
 
 def _json(record: Record) -> Response:
@@ -27,18 +32,45 @@ def _json(record: Record) -> Response:
 
 
 def _error_body(exc: DashboardError) -> ErrorBody:
-    code = ErrorCode.internal if exc.missing is Missing.unreadable_run else ErrorCode.not_found
+    code = {Missing.unreadable_run: ErrorCode.internal, Missing.bad_query: ErrorCode.invalid_request}.get(
+        exc.missing, ErrorCode.not_found)
     details = {k: v for k, v in exc.details.items() if v is not None}
     return ErrorBody(error=ErrorDetail(code=code, message=exc.message, reasons=[exc.missing.value], details=details))
 
 
+class ServerTiming:
+    """ASGI middleware: a `Server-Timing: app;dur=<ms>` header on every response, the time from the
+    request to the response's start (the page built and serialized; not its transfer). The browser's
+    devtools show it, and benchmarks/dashboard_open.py reads it."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+
+        async def timed_send(message):
+            if message["type"] == "http.response.start":
+                ms = (time.perf_counter() - started) * 1000
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"server-timing", f"app;dur={ms:.1f}".encode())]}
+            await send(message)
+
+        await self.app(scope, receive, timed_send)
+
+
 def create_dashboard_app(runs_dir: Path) -> FastAPI:
-    """The dashboard over every observatory run under `runs_dir` (read on each request)."""
+    """The dashboard over every run under `runs_dir` (read on each request)."""
     runs = Runs(Path(runs_dir))
+    index = RunIndex(Path(runs_dir), observatory_ids=runs.run_ids)
+    training = TrainingRuns(index)
     renderer = Renderer()
     app = FastAPI(title="rollmarket observatory dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = runs
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_middleware(ServerTiming)
 
     def html(template: str, record: Record, here: Page) -> HTMLResponse:
         return HTMLResponse(renderer.render(template, record, Linker(here, static=False)))
@@ -58,12 +90,28 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
         return {"ok": True, "runs_dir": str(runs.runs_dir)}
 
     @app.get("/index.json")
-    def index_json() -> Response:
-        return _json(runs.index_page())
+    def index_json(kind: str | None = None, status: str | None = None, q: str | None = None,
+                   sort: str | None = None) -> Response:
+        return _json(index_page(index, runs.index_page(), kind=kind, status=status, q=q, sort=sort))
 
     @app.get("/", response_class=HTMLResponse)
-    def index() -> HTMLResponse:
-        return html("index.html", runs.index_page(), Page.index())
+    def index_html(request: Request, kind: str | None = None, status: str | None = None, q: str | None = None,
+                   sort: str | None = None) -> HTMLResponse:
+        page = index_page(index, runs.index_page(), kind=kind, status=status, q=q, sort=sort)
+        return html("index.html", page, Page("index", query=request.url.query))
+
+    # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
+    @app.get("/train/{run_id}.json")
+    def train_json(run_id: str, overlay: str | None = None) -> Response:
+        return _json(training.page(run_id, overlay))
+
+    @app.get("/train/{run_id}/metrics.json")
+    def train_metrics(run_id: str, after: str | None = None) -> Response:
+        return _json(training.series(run_id, parse_after(after)))
+
+    @app.get("/train/{run_id}", response_class=HTMLResponse)
+    def train(request: Request, run_id: str, overlay: str | None = None) -> HTMLResponse:
+        return html("train.html", training.page(run_id, overlay), Page.train(run_id, request.url.query))
 
     @app.get("/metrics.json")
     def metrics_json() -> Response:

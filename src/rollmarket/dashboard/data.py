@@ -72,10 +72,13 @@ class Missing(str, Enum):
     compare = "unknown_compare_engine"
     unreadable_run = "unreadable_run"
     """A file of the run (matrix.json, a report, a viewer file) does not parse (served as 500)."""
+    bad_query = "bad_query"
+    """A query parameter the page cannot use (served as 400)."""
 
 
 class DashboardError(Exception):
-    """A page that cannot be shown; the app turns it into a typed 404 (or 500 for unreadable runs)."""
+    """A page that cannot be shown; the app turns it into a typed 404 (400 for a bad query parameter, 500 for
+    unreadable runs)."""
 
     def __init__(self, missing: Missing, message: str, **details: Any):
         super().__init__(message)
@@ -85,7 +88,7 @@ class DashboardError(Exception):
 
     @property
     def status_code(self) -> int:
-        return 500 if self.missing is Missing.unreadable_run else 404
+        return {Missing.unreadable_run: 500, Missing.bad_query: 400}.get(self.missing, 404)
 
 
 # ----------------------------------------------------------------------------- records of the pages

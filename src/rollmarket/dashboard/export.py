@@ -10,6 +10,8 @@ from ..contracts import Record
 from .data import Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
+from .runs import RunIndex, RunKind, index_page
+from .training import TrainingRuns
 
 
 class ExportSummary(Record):
@@ -17,17 +19,22 @@ class ExportSummary(Record):
     pages: int
     runs: int
     trajectories: int
+    training: int = 0
 
 
 def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     """Write the whole dashboard of `runs_dir` into `out_dir` (replacing what the export owns there).
+
+    The index lists every kind of run; each training (and demo) run gets its page with its metrics inline.
 
     Trajectory pages: every trajectory of every viewer file once per trainer engine, and the
     side-by-side pages of each divergence, from either engine's side, once per trainer."""
     runs = Runs(Path(runs_dir))
     out = Path(out_dir)
     index = runs.index_page()
-    pages: list[tuple[Page, str, Record]] = [(Page.index(), "index.html", index),
+    run_index = RunIndex(Path(runs_dir), observatory_ids=runs.run_ids)
+    every = index_page(run_index, index)
+    pages: list[tuple[Page, str, Record]] = [(Page.index(), "index.html", every),
                                              (Page.metrics(), "metrics.html", metrics_page())]
     trajectories: list[TrajectoryRef] = []
     for summary in index.runs:
@@ -43,6 +50,11 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
                                                   "compare": row.view.rollout_engine})
             trajectories += [ref.model_copy(update={"trainer_engine": t})
                              for ref in (row.view, swapped) for t in run_page.trainer_engines]
+    # Training pages carry their metrics inline: from file:// a page cannot fetch its twin.
+    training = TrainingRuns(run_index)
+    trained = [e.run_id for e in every.entries if e.kind in (RunKind.train, RunKind.demo) and not e.error]
+    observatory_pages = len(pages) - 2
+    pages += [(Page.train(run_id), "train.html", training.page(run_id)) for run_id in trained]
     exported = {file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
 
     renderer = Renderer()
@@ -62,5 +74,5 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
         record = runs.trajectory_page(ref.run_id, ref.rollout_engine, ref.trajectory_id, trainer=ref.trainer_engine,
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
-    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=len(pages) - 2,
-                         trajectories=len(trajectories))
+    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=observatory_pages,
+                         trajectories=len(trajectories), training=len(trained))

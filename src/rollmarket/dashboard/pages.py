@@ -28,10 +28,13 @@ class Page:
     """One page of the dashboard, independent of whether a server or a folder of files serves it."""
 
     kind: str
-    """index, run, trajectory, metrics, static, or raw (a server path as requested, for error pages)."""
+    """index, run, trajectory, metrics, train, train-metrics, rollouts, campaign, static, or raw (a server
+    path as requested, for error pages)."""
     run_id: str | None = None
     ref: TrajectoryRef | None = None
     asset: str | None = None
+    query: str | None = None
+    """The query string a served page was asked with (its twin keeps it); a static export has none."""
 
     @classmethod
     def index(cls) -> Page:
@@ -50,6 +53,23 @@ class Page:
         return cls("trajectory", run_id=ref.run_id, ref=ref)
 
     @classmethod
+    def train(cls, run_id: str, query: str | None = None) -> Page:
+        return cls("train", run_id=run_id, query=query or None)
+
+    @classmethod
+    def train_metrics(cls, run_id: str) -> Page:
+        """The incremental twin a running run's page polls: `?after=<step>` gives the newer steps."""
+        return cls("train-metrics", run_id=run_id)
+
+    @classmethod
+    def rollouts(cls, run_id: str) -> Page:
+        return cls("rollouts", run_id=run_id)
+
+    @classmethod
+    def campaign(cls, campaign_id: str) -> Page:
+        return cls("campaign", run_id=campaign_id)
+
+    @classmethod
     def static(cls, asset: str) -> Page:
         return cls("static", asset=asset)
 
@@ -57,8 +77,17 @@ class Page:
 def server_path(page: Page, *, json_twin: bool = False) -> str:
     """The absolute path (with query) the dashboard server answers this page on."""
     ext = ".json" if json_twin else ""
+    query = f"?{page.query}" if page.query else ""
     if page.kind == "index":
-        return "/index.json" if json_twin else "/"
+        return ("/index.json" if json_twin else "/") + query
+    if page.kind == "train":
+        return f"/train/{quote(page.run_id, safe='')}{ext}{query}"
+    if page.kind == "train-metrics":
+        return f"/train/{quote(page.run_id, safe='')}/metrics.json"
+    if page.kind == "rollouts":
+        return f"/train/{quote(page.run_id, safe='')}/rollouts{ext}"
+    if page.kind == "campaign":
+        return f"/campaigns/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "metrics":
         return f"/metrics{ext}"
     if page.kind == "run":
@@ -82,6 +111,14 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
         return page.kind + ext
     if page.kind == "run":
         return f"runs/{slug(page.run_id)}{ext}"
+    if page.kind == "train":
+        return f"train/{slug(page.run_id)}{ext}"
+    if page.kind == "train-metrics":
+        return f"train/{slug(page.run_id)}/metrics.json"
+    if page.kind == "rollouts":
+        return f"train/{slug(page.run_id)}/rollouts{ext}"
+    if page.kind == "campaign":
+        return f"campaigns/{slug(page.run_id)}{ext}"
     if page.kind == "trajectory":
         ref = page.ref
         name = f"{slug(ref.trajectory_id)}__{slug(ref.trainer_engine or '')}"
@@ -126,6 +163,26 @@ class Linker:
 
     def run(self, run_id: str) -> str:
         return self.href(Page.run(run_id))
+
+    def train(self, run_id: str) -> str | None:
+        """A training run's page; None where a static export did not write it."""
+        page = Page.train(run_id)
+        return self.href(page) if self.has(page) else None
+
+    def train_metrics(self, run_id: str) -> str:
+        return self.href(Page.train_metrics(run_id))
+
+    def rollouts(self, run_id: str) -> str | None:
+        page = Page.rollouts(run_id)
+        return self.href(page) if self.has(page) else None
+
+    def campaign(self, campaign_id: str) -> str | None:
+        page = Page.campaign(campaign_id)
+        return self.href(page) if self.has(page) else None
+
+    def observatory(self, run_id: str) -> str | None:
+        page = Page.run(run_id)
+        return self.href(page) if self.has(page) else None
 
     def trajectory(self, ref: TrajectoryRef, *, trainer: str | None = None, compare: str | None | bool = False,
                    fragment: str | None = None) -> str | None:
@@ -191,6 +248,37 @@ def tip(token, trainer: str) -> str:
             f"{num(token.trainer_logprob)} · Δ {signed(token.delta)}")
 
 
+class _Lazy:
+    """A page record's JSON, made only when a template uses it: `data.x` (its model_dump) or
+    `page_json` (its JSON text, safe inside a <script> element). A training page's record can hold
+    10,000 steps of a hundred metrics; pages that do not use a form do not pay for it."""
+
+    def __init__(self, record: Record):
+        self._record = record
+        self._dump: dict | None = None
+
+    def _data(self) -> dict:
+        if self._dump is None:
+            self._dump = self._record.model_dump(mode="json")
+        return self._dump
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        try:
+            return self._data()[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, name: str) -> Any:
+        return self._data()[name]
+
+    def __html__(self) -> str:
+        # '<', '>' and '&' only occur inside JSON strings, where their \u escapes mean the same.
+        text = self._record.model_dump_json()
+        return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 class Renderer:
     """The jinja2 environment with the dashboard's filters."""
 
@@ -202,5 +290,5 @@ class Renderer:
         self.env.globals.update(tip=tip, delta_saturation=DELTA_SATURATION)
 
     def render(self, template: str, page: Record, link: Linker, **extra: Any) -> str:
-        data = page.model_dump(mode="json")
-        return self.env.get_template(template).render(page=page, data=data, link=link, **extra)
+        lazy = _Lazy(page)
+        return self.env.get_template(template).render(page=page, data=lazy, page_json=lazy, link=link, **extra)

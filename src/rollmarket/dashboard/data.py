@@ -70,12 +70,17 @@ class Missing(str, Enum):
     trainer_engine = "unknown_trainer_engine"
     trajectory = "unknown_trajectory"
     compare = "unknown_compare_engine"
+    row = "unknown_row"
+    """A table row (a generation) the run does not have."""
+    bad_parameter = "bad_parameter"
+    """A query parameter that is unknown or malformed (served as 400)."""
     unreadable_run = "unreadable_run"
     """A file of the run (matrix.json, a report, a viewer file) does not parse (served as 500)."""
 
 
 class DashboardError(Exception):
-    """A page that cannot be shown; the app turns it into a typed 404 (or 500 for unreadable runs)."""
+    """A page that cannot be shown; the app turns it into a typed 404 (400 for a bad parameter, 500 for
+    an unreadable run)."""
 
     def __init__(self, missing: Missing, message: str, **details: Any):
         super().__init__(message)
@@ -85,7 +90,7 @@ class DashboardError(Exception):
 
     @property
     def status_code(self) -> int:
-        return 500 if self.missing is Missing.unreadable_run else 404
+        return {Missing.unreadable_run: 500, Missing.bad_parameter: 400}.get(self.missing, 404)
 
 
 # ----------------------------------------------------------------------------- records of the pages

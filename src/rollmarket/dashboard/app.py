@@ -51,7 +51,7 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     @app.exception_handler(DashboardError)
     async def dashboard_error(request: Request, exc: DashboardError) -> Response:
         body = _error_body(exc)
-        if request.scope["path"].endswith(".json"):
+        if request.scope["path"].endswith((".json", ".csv")):  # data, not a page: the error as data too
             return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
         here = Linker(Page("raw", asset=request.scope["path"]), static=False)
         page = renderer.render("error.html", body, here, status=exc.status_code, code=exc.missing.value,

@@ -10,6 +10,8 @@ from ..contracts import Record
 from .data import Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
+from .rollouts import (EXPORT_PAGES, RolloutQuery, generation_page, rollouts_csv, rollouts_page,
+                       training_runs)
 
 
 class ExportSummary(Record):
@@ -17,6 +19,8 @@ class ExportSummary(Record):
     pages: int
     runs: int
     trajectories: int
+    rollout_pages: int = 0
+    """Pages of training runs' rollouts tables (the first EXPORT_PAGES of each, with their rows' pages)."""
 
 
 def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
@@ -43,7 +47,23 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
                                                   "compare": row.view.rollout_engine})
             trajectories += [ref.model_copy(update={"trainer_engine": t})
                              for ref in (row.view, swapped) for t in run_page.trainer_engines]
-    exported = {file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
+    # Rollouts: each training run's first EXPORT_PAGES table pages in file order, each of their rows'
+    # generation pages, and the whole table as CSV (a filtered page needs the server).
+    tables: list[tuple[Page, str, Record]] = []
+    csvs: list[tuple[Page, str]] = []
+    for run_dir in training_runs(runs_dir):
+        run_id = run_dir.name
+        for number in range(1, EXPORT_PAGES + 1):
+            table = rollouts_page(runs_dir, run_id, RolloutQuery(page=number))
+            tables.append((Page.rollouts(run_id, table.query.params()), "rollouts.html", table))
+            tables += [(Page.generation(run_id, row.row), "rollout.html", generation_page(runs_dir, run_id, row.row))
+                       for row in table.rows]
+            if number >= table.pages:
+                break
+        csvs.append((Page.rollouts(run_id, csv=True), run_id))
+    pages += tables
+    exported = ({file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
+                | {file_path(p) for p, _ in csvs})
 
     renderer = Renderer()
     # Files are overwritten, never deleted: DIR may hold other things (even the runs themselves).
@@ -58,9 +78,12 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
 
     for page, template, record in pages:
         write(page, template, record)
+    for page, run_id in csvs:
+        with open(out / file_path(page), "w", encoding="utf-8", newline="") as f:
+            f.writelines(rollouts_csv(runs_dir, run_id, RolloutQuery()))
     for ref in trajectories:
         record = runs.trajectory_page(ref.run_id, ref.rollout_engine, ref.trajectory_id, trainer=ref.trainer_engine,
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
-    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=len(pages) - 2,
-                         trajectories=len(trajectories))
+    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=len(pages) - 2 - len(tables),
+                         trajectories=len(trajectories), rollout_pages=len(tables))

@@ -23,7 +23,7 @@ import sqlite3
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from enum import Enum
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,6 +38,10 @@ EXCHANGE_DB = "exchange.db"
 DISCOVERY_DEPTH = 4
 """How deep under --runs a run directory may sit (campaign runs: <campaign>/runs/<cond>__s<seed>/<run>)."""
 PER_PAGE_DEFAULT, PER_PAGE_MAX = 25, 500
+EXPORT_PAGES = 10
+"""Table pages a static export writes per training run (with their rows' generation pages and the CSV)."""
+EAGER_COLUMNS_BYTES = 32 << 20
+"""Below this size a table's first request reads every row's columns (filters, facets) at once."""
 CACHED_RUNS = 8
 """Indexes kept in memory at once (least recently used goes first)."""
 
@@ -50,6 +54,7 @@ COLUMNS = ("row",) + NUMERIC[:1] + ("group_id", "task_id") + NUMERIC[1:4] + ("wo
 """Every column of the table, in the order generations.jsonl rows carry them (row first)."""
 DEFAULT_COLUMNS = ("step", "reward", "prompt", "response", "decision", "advantage", "precision", "worker_id")
 SORTABLE = ("row",) + NUMERIC + CATEGORICAL
+FILTERS = ("q", "step_min", "step_max", "decision", "precision", "worker", "reward_min", "reward_max")
 
 
 # ----------------------------------------------------------------------------- records
@@ -121,7 +126,8 @@ class RolloutsPage(Record):
     columns: list[str] = Field(description="Every column, in file order.")
     default_columns: list[str] = Field(description="The columns shown until the reader chooses others.")
     sortable: list[str]
-    facets: Facets
+    facets: Facets | None = Field(description="None until a filtered, searched or sorted request has read every "
+                                              "row's columns (a cold open of a big file does not wait for them).")
 
 
 class TokenCell(Record):
@@ -181,18 +187,27 @@ def bad_parameter(name: str, message: str) -> DashboardError:
 _SKIP = {"checkpoints", "logs", "workers", "trajectories", "reports", "viewer", "__pycache__"}
 
 
+def _walk(root: Path) -> Iterator[Path]:
+    """Directories up to DISCOVERY_DEPTH levels under `root` that hold a generations.jsonl."""
+    for top, dirs, files in os.walk(root):
+        if GENERATIONS in files and top != str(root):
+            yield Path(top)
+        depth = len(Path(top).relative_to(root).parts)
+        dirs[:] = [] if depth >= DISCOVERY_DEPTH else sorted(d for d in dirs if d not in _SKIP and not d.startswith("."))
+
+
+def training_runs(runs_dir: Path) -> list[Path]:
+    """Every run directory with a generations.jsonl under `runs_dir`, by name."""
+    return sorted(_walk(Path(runs_dir)), key=lambda p: p.name)
+
+
 def find_training_run(runs_dir: Path, run_id: str) -> Path:
     """The directory named `run_id` holding a generations.jsonl, up to DISCOVERY_DEPTH levels under
     `runs_dir`; a typed 404 otherwise. (Helper A's shared discovery may replace this function.)"""
-    if not run_id or run_id in (".", "..") or "/" in run_id or "\\" in run_id or "\0" in run_id:
-        raise DashboardError(Missing.run, f"no training run {run_id!r} under {runs_dir}", run_id=run_id)
-    root = Path(runs_dir)
-    for top, dirs, _ in os.walk(root):
-        depth = len(Path(top).relative_to(root).parts)
-        if run_id in dirs and (Path(top) / run_id / GENERATIONS).is_file():
-            return Path(top) / run_id
-        dirs[:] = [] if depth + 1 >= DISCOVERY_DEPTH else sorted(d for d in dirs if d not in _SKIP and
-                                                                    not d.startswith("."))
+    if run_id and run_id not in (".", "..") and not any(ch in run_id for ch in "/\\\0"):
+        for run_dir in _walk(Path(runs_dir)):
+            if run_dir.name == run_id:
+                return run_dir
     raise DashboardError(Missing.run, f"no training run {run_id!r} under {runs_dir}", run_id=run_id)
 
 
@@ -205,10 +220,14 @@ def _num(value: Any) -> float:
 
 @dataclass
 class GenerationsIndex:
-    """Every complete line of one generations.jsonl: its byte offset and the columns filters need.
+    """Every complete line of one generations.jsonl: its byte offset, and (read only when a query
+    needs them) the columns filters, search and sort use.
 
-    Built once, then extended with the bytes appended since (a running run appends whole lines
-    after each step); a file that shrank or changed under the indexed part is indexed afresh."""
+    Offsets come from a newline scan, cheap enough for a cold open of a big file to page through it
+    in file order at once; the columns cost a JSON parse of every line, paid on the first filtered,
+    searched or sorted request. Both are extended with the bytes appended since (a running run
+    appends whole lines after each step); a file that shrank or changed under the indexed part is
+    indexed afresh."""
 
     path: Path
     end: int = 0
@@ -223,13 +242,16 @@ class GenerationsIndex:
     values: dict[str, dict[str, int]] = field(default_factory=lambda: {c: {} for c in CATEGORICAL})
     prompt_codes: list[int] = field(default_factory=list)
     prompts: dict[str, int] = field(default_factory=dict)
-    """Distinct prompts (lower-cased) -> code: a group's runs share theirs, so search scans each once."""
+    """Distinct prompts -> code: a group's runs share theirs, so search scans each once."""
     responses: list[str] = field(default_factory=list)
-    """Lower-cased response plus task id, per row, for search."""
+    """Response plus task id, per row, for search."""
     arrays: dict[str, np.ndarray] | None = None
+    lowered: tuple[list[str], list[str]] | None = None
+    """Prompts and responses lower-cased, made by the first search after the columns grow."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def refresh(self) -> None:
+        """Index the lines appended since the last refresh (offsets only)."""
         try:
             st = self.path.stat()
         except FileNotFoundError:
@@ -242,11 +264,15 @@ class GenerationsIndex:
             f.seek(self.end)
             data = f.read(st.st_size - self.end)
         last = data.rfind(b"\n")
+        pos = 0
+        while pos <= last:
+            nl = data.index(b"\n", pos)
+            if data[pos:nl].strip():
+                self.offsets.append(self.end + pos)
+            pos = nl + 1
         if last >= 0:
-            self._add(data[:last + 1], self.end)
             self.end += last + 1
             self.tail = (self.tail + data[:last + 1])[-64:]
-            self.arrays = None
         # A line still being written (no newline yet) shows on a later refresh.
         self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
 
@@ -260,35 +286,45 @@ class GenerationsIndex:
         key = str(value).lower() if isinstance(value, bool) else str(value)
         return self.values[column].setdefault(key, len(self.values[column]))
 
-    def _add(self, chunk: bytes, base: int) -> None:
-        pos = 0
-        while pos < len(chunk):
-            nl = chunk.index(b"\n", pos)
-            line = chunk[pos:nl]
-            if line.strip():
-                self.offsets.append(base + pos)
+    @property
+    def has_columns(self) -> bool:
+        return len(self.prompt_codes) == len(self.offsets)
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The columns of every indexed row, parsing only the rows not parsed before."""
+        done = len(self.prompt_codes)
+        if done < len(self.offsets):
+            start = self.offsets[done]
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                data = f.read(self.end - start)
+            for offset in self.offsets[done:]:
+                at = offset - start
                 try:
-                    row = json.loads(line)
+                    row = json.loads(data[at:data.index(b"\n", at)])
                     if not isinstance(row, dict):
                         raise ValueError("not an object")
                 except ValueError:
-                    row = {}
+                    row = {}  # shown as the row's error when its page is read
                 for c in NUMERIC:
                     self.numeric[c].append(_num(row.get(c)))
                 for c in CATEGORICAL:
                     self.codes[c].append(self._code(c, row.get(c)))
-                prompt = str(row.get("prompt") or "").lower()
-                self.prompt_codes.append(self.prompts.setdefault(prompt, len(self.prompts)))
-                self.responses.append(f"{row.get('response') or ''}\n{row.get('task_id') or ''}".lower())
-            pos = nl + 1
-
-    def columns(self) -> dict[str, np.ndarray]:
+                self.prompt_codes.append(self.prompts.setdefault(str(row.get("prompt") or ""), len(self.prompts)))
+                self.responses.append(f"{row.get('response') or ''}\n{row.get('task_id') or ''}")
+            self.arrays = self.lowered = None
         if self.arrays is None:
             arrays = {c: np.asarray(v, dtype=np.float64) for c, v in self.numeric.items()}
             arrays.update({c: np.asarray(v, dtype=np.int64) for c, v in self.codes.items()})
             arrays["prompt"] = np.asarray(self.prompt_codes, dtype=np.int64)
             self.arrays = arrays
         return self.arrays
+
+    def search_text(self) -> tuple[list[str], list[str]]:
+        """Distinct prompts and per-row responses, lower-cased (after `columns()`)."""
+        if self.lowered is None:
+            self.lowered = ([p.lower() for p in self.prompts], [r.lower() for r in self.responses])
+        return self.lowered
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -349,8 +385,11 @@ def parse_query(params: dict[str, str]) -> RolloutQuery:
 
 def _matching(index: GenerationsIndex, query: RolloutQuery) -> np.ndarray:
     """Row numbers passing the filters, in the requested order."""
-    cols = index.columns()
     n = len(index)
+    if query.sort in ("row", "-row") and not any(getattr(query, name) is not None for name in FILTERS):
+        rows = np.arange(n)  # file order needs no columns: a cold open pages at once
+        return rows[::-1] if query.sort == "-row" else rows
+    cols = index.columns()
     mask = np.ones(n, dtype=bool)
     for name, column, op in (("step_min", "step", np.greater_equal), ("step_max", "step", np.less_equal),
                              ("reward_min", "reward", np.greater_equal), ("reward_max", "reward", np.less_equal)):
@@ -363,10 +402,11 @@ def _matching(index: GenerationsIndex, query: RolloutQuery) -> np.ndarray:
             mask &= cols[column] == index.values[column].get(wanted, -2)
     if query.q:
         needle = query.q.lower()
-        in_prompt = np.fromiter((needle in p for p in index.prompts), dtype=bool, count=len(index.prompts))
+        prompts, responses = index.search_text()
+        in_prompt = np.fromiter((needle in p for p in prompts), dtype=bool, count=len(prompts))
         found = in_prompt[cols["prompt"]] & mask
         for i in np.flatnonzero(mask & ~found):  # responses only where the prompt did not already match
-            found[i] = needle in index.responses[i]
+            found[i] = needle in responses[i]
         mask = found
     rows = np.flatnonzero(mask)
     column = query.sort.lstrip("-")
@@ -419,6 +459,7 @@ def rollouts_page(runs_dir: Path, run_id: str, query: RolloutQuery) -> RolloutsP
     """One page of the run's generations table."""
     index = generations_index(find_training_run(runs_dir, run_id))
     with index.lock:
+        _warm_columns(index)
         rows = _matching(index, query)
         pages = max(1, math.ceil(len(rows) / query.per_page))
         if query.page > pages:
@@ -427,7 +468,14 @@ def rollouts_page(runs_dir: Path, run_id: str, query: RolloutQuery) -> RolloutsP
         shown = list(_read_rows(index.path, index.offsets, rows[start:start + query.per_page]))
         return RolloutsPage(run_id=run_id, query=query, total=len(index), matched=len(rows), pages=pages,
                             rows=shown, columns=list(COLUMNS), default_columns=list(DEFAULT_COLUMNS),
-                            sortable=list(SORTABLE), facets=facets(index))
+                            sortable=list(SORTABLE), facets=facets(index) if index.has_columns else None)
+
+
+def _warm_columns(index: GenerationsIndex) -> None:
+    """Read the columns now unless that would make a cold open of a big file wait: a small file, or
+    one whose columns were read before (then only the appended rows are parsed)."""
+    if index.prompt_codes or index.end <= EAGER_COLUMNS_BYTES:
+        index.columns()
 
 
 def rollouts_csv(runs_dir: Path, run_id: str, query: RolloutQuery) -> Iterator[str]:
@@ -462,11 +510,14 @@ def _open_readonly(path: Path) -> sqlite3.Connection:
 def _tokenizer(run_dir: Path):
     """The run's tokenizer from its newest checkpoint (tokenizers only: the dashboard never loads torch)."""
     candidates = sorted((run_dir / "checkpoints").glob("v*/tokenizer.json"), reverse=True)
-    if not candidates:
-        return None
+    return _load_tokenizer(str(candidates[0])) if candidates else None
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(candidates[0]))
+    return Tokenizer.from_file(path)
 
 
 def generation_page(runs_dir: Path, run_id: str, row: int) -> GenerationPage:

@@ -386,7 +386,7 @@ def test_table_pages_chooses_columns_exports_csv_and_opens_a_row(browser, server
         toks = page.locator('[data-testid="tok"]')
         assert toks.count() == 9
         unlikely = toks.nth(7)  # "5" at position 8 (the tool token is not a model token): logprob −6.0
-        assert "rgba(214, 137, 16" in unlikely.evaluate("e => getComputedStyle(e).backgroundColor")
+        assert "214, 137, 16" in unlikely.evaluate("e => getComputedStyle(e).backgroundColor")
         assert "-6.0000" in unlikely.get_attribute("title")
         assert toks.nth(3).evaluate("e => getComputedStyle(e).backgroundColor") != unlikely.evaluate(
             "e => getComputedStyle(e).backgroundColor")

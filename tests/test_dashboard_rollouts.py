@@ -17,6 +17,7 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -100,9 +101,10 @@ def write_run(run: Path, rows: list[dict]) -> Path:
                       "fresh", "train", 0, "{}", 0.0, packb(group)))
         report = {"token_ess": 0.9 + n / 1000, "mean_abs_delta": 0.01 * n, "max_abs_delta": 0.5,
                   "clipped_fraction": 0.125}
+        status = next(r["decision"] for r in rows if r["group_id"] == group_id)
         conn.execute("INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?,?,?,?,?)",
-                     (group_id, "default", "train",
-                      json.dumps({"status": "train", "reasons": ["within_budget"], "report": report}), 0.0))
+                     (group_id, "default", status,
+                      json.dumps({"status": status, "reasons": ["within_budget"], "report": report}), 0.0))
     conn.commit()
     conn.close()
     return run
@@ -239,7 +241,7 @@ def test_generation_twin_has_every_token_from_the_exchange(client, runs_dir):
         assert t["logprob"] is None if tool else t["logprob"] == pytest.approx(want[t["position"]], abs=1e-6)
     model = [lp for k, lp in enumerate(want) if k != len(MODEL_A)]
     assert data["mean_logprob"] == pytest.approx(sum(model) / len(model), abs=1e-6)
-    assert data["report"] == {"status": "train", "token_ess": 0.905, "mean_abs_delta": 0.05, "max_abs_delta": 0.5,
+    assert data["report"] == {"status": ROWS[row]["decision"], "token_ess": 0.905, "mean_abs_delta": 0.05, "max_abs_delta": 0.5,
                               "clipped_fraction": 0.125, "router_flip_rate": None, "reasons": ["within_budget"]}
     html = client.get(f"/train/{RUN_ID}/rollouts/{row}").text
     assert html.count('data-testid="tok"') == 9 and 'data-testid="tool-output"' in html
@@ -266,14 +268,34 @@ def test_a_growing_file_shows_new_rows_and_a_rewrite_is_reindexed(tmp_path):
     assert data["rows"][0]["prompt"] == ROWS[40]["prompt"]
 
 
+def test_a_big_file_pages_at_once_and_reads_its_columns_in_the_background(tmp_path, monkeypatch):
+    """Above EAGER_COLUMNS_BYTES the first page comes from the line offsets alone (no facets yet);
+    a background thread then parses the columns, and the facets and filters appear."""
+    from rollmarket.dashboard import rollouts
+
+    monkeypatch.setattr(rollouts, "EAGER_COLUMNS_BYTES", 0)
+    write_run(tmp_path / RUN_ID, ROWS)
+    client = TestClient(create_dashboard_app(tmp_path))
+    first = table(client, page=2)
+    assert first["facets"] is None and first["rows"] == [expected_row(i) for i in range(25, 50)]
+    deadline = time.monotonic() + 60
+    while (data := table(client))["facets"] is None:
+        assert time.monotonic() < deadline, "the columns were never read"
+        time.sleep(0.02)
+    assert data["facets"]["decisions"] == ["correct", "quarantine", "train"]
+    assert table(client, decision="quarantine")["matched"] == sum(r["decision"] == "quarantine" for r in ROWS)
+
+
 def test_a_run_without_an_exchange_shows_its_text(tmp_path):
     run = tmp_path / RUN_ID
     run.mkdir()
-    (run / "generations.jsonl").write_text(json.dumps({"step": 1, "prompt": "p", "response": "r"}) + "\nnot json\n")
+    (run / "generations.jsonl").write_text(json.dumps({"step": 1, "prompt": "p", "response": "r"})
+                                           + "\nnot json\n[1, 2]\n" + json.dumps({"step": "two"}) + "\n")
     client = TestClient(create_dashboard_app(tmp_path))
     data = table(client)
     assert data["rows"][0]["step"] == 1 and data["rows"][0]["worker_id"] is None
-    assert data["rows"][1]["error"].startswith("line 2")
+    assert [r["error"].split(":")[0] for r in data["rows"][1:]] == ["line 2", "line 3", "line 4"]
+    assert table(client, step_min=0)["matched"] == 1  # unreadable rows have no step to pass a bound
     page = client.get(f"/train/{RUN_ID}/rollouts/0.json").json()
     assert page["segments"] == [] and "exchange.db" in page["note"]
 

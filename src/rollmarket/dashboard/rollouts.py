@@ -6,10 +6,11 @@ its CSV export, and one generation's trajectory read from the run's exchange.db.
     /train/<id>/rollouts.csv?<same filters>        every matching row (no paging)
     /train/<id>/rollouts/<row>[.json]              one generation's turns, tool calls and tokens
 
-Speed: the file is read once per process into a `GenerationsIndex` (each line's byte offset plus
-the scalar columns as numpy arrays and the text for search), keyed by the file's size and mtime
-and extended by reading only the appended bytes when it grows; a page then filters and sorts
-arrays and parses just its own lines. Files stay the source of truth: nothing is written.
+Speed: each process keeps a `GenerationsIndex` per file, keyed by its size and mtime and extended
+by reading only the bytes appended since: every line's byte offset (a newline scan, so a cold open
+pages in file order at once) and, from the first request that filters, searches or sorts, the
+scalar columns as numpy arrays and the text for search. A page then filters and sorts arrays and
+parses just its own lines. Files stay the source of truth: nothing is written, not even a cache.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import sqlite3
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
@@ -218,37 +218,44 @@ def _num(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-@dataclass
 class GenerationsIndex:
-    """Every complete line of one generations.jsonl: its byte offset, and (read only when a query
-    needs them) the columns filters, search and sort use.
+    """Every complete line of one generations.jsonl: its byte offset, and the columns filters,
+    search and sort use.
 
     Offsets come from a newline scan, cheap enough for a cold open of a big file to page through it
-    in file order at once; the columns cost a JSON parse of every line, paid on the first filtered,
-    searched or sorted request. Both are extended with the bytes appended since (a running run
-    appends whole lines after each step); a file that shrank or changed under the indexed part is
-    indexed afresh."""
+    in file order at once; the columns cost a JSON parse of every line, done at once for a small
+    file, else in a background thread after the first page (a filter that arrives first parses
+    them itself). Both are extended with the bytes appended since (a running run appends whole
+    lines after each step); a file that shrank or changed under the indexed part is indexed afresh.
+    Callers hold `lock` around everything but `warm_in_background`."""
 
-    path: Path
-    end: int = 0
-    """Byte offset just past the last indexed newline."""
-    mtime_ns: int = -1
-    size: int = -1
-    tail: bytes = b""
-    """The indexed part's last bytes, to tell an append from a rewrite."""
-    offsets: list[int] = field(default_factory=list)
-    numeric: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in NUMERIC})
-    codes: dict[str, list[int]] = field(default_factory=lambda: {c: [] for c in CATEGORICAL})
-    values: dict[str, dict[str, int]] = field(default_factory=lambda: {c: {} for c in CATEGORICAL})
-    prompt_codes: list[int] = field(default_factory=list)
-    prompts: dict[str, int] = field(default_factory=dict)
-    """Distinct prompts -> code: a group's runs share theirs, so search scans each once."""
-    responses: list[str] = field(default_factory=list)
-    """Response plus task id, per row, for search."""
-    arrays: dict[str, np.ndarray] | None = None
-    lowered: tuple[list[str], list[str]] | None = None
-    """Prompts and responses lower-cased, made by the first search after the columns grow."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.warming = threading.Event()
+        """Set while a background thread parses columns (tests and the benchmark wait on it)."""
+        self._reset()
+
+    def _reset(self) -> None:
+        self.generation = getattr(self, "generation", 0) + 1
+        """Bumped by every reset, so a background parse of a replaced file is dropped."""
+        self.end = 0
+        """Byte offset just past the last indexed newline."""
+        self.size = self.mtime_ns = -1
+        self.tail = b""
+        """The indexed part's last bytes, to tell an append from a rewrite."""
+        self.offsets: list[int] = []
+        self.numeric: dict[str, list[float]] = {c: [] for c in NUMERIC}
+        self.codes: dict[str, list[int]] = {c: [] for c in CATEGORICAL}
+        self.values: dict[str, dict[str, int]] = {c: {} for c in CATEGORICAL}
+        self.prompt_codes: list[int] = []
+        self.prompts: dict[str, int] = {}
+        """Distinct prompts -> code: a group's runs share theirs, so search scans each once."""
+        self.responses: list[str] = []
+        """Response plus task id, per row, for search."""
+        self.arrays: dict[str, np.ndarray] | None = None
+        self.lowered: tuple[list[str], list[str]] | None = None
+        """Prompts and responses lower-cased, made by the first search after the columns grow."""
 
     def refresh(self) -> None:
         """Index the lines appended since the last refresh (offsets only)."""
@@ -260,7 +267,7 @@ class GenerationsIndex:
             return
         with open(self.path, "rb") as f:
             if st.st_size < self.end or (self.end and not self._same_tail(f)):
-                self.__init__(self.path)  # rewritten (a resumed run drops torn rows): start over
+                self._reset()  # rewritten (a resumed run drops torn rows): start over
             f.seek(self.end)
             data = f.read(st.st_size - self.end)
         last = data.rfind(b"\n")
@@ -290,35 +297,65 @@ class GenerationsIndex:
     def has_columns(self) -> bool:
         return len(self.prompt_codes) == len(self.offsets)
 
+    def _parse(self, offsets: list[int], first: int, last: int) -> list[dict]:
+        """Rows [first, last) as dicts ({} for a line that is not a JSON object); reads only the file."""
+        if first >= last:
+            return []
+        start = offsets[first]
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            data = f.read(offsets[last - 1] - start)
+            data += f.readline()
+        parsed = []
+        for offset in offsets[first:last]:
+            at = offset - start
+            try:
+                row = json.loads(data[at:data.index(b"\n", at)])
+            except ValueError:
+                row = None  # shown as the row's error when its page is read
+            parsed.append(row if isinstance(row, dict) else {})
+        return parsed
+
+    def _append(self, parsed: list[dict]) -> None:
+        for row in parsed:
+            for c in NUMERIC:
+                self.numeric[c].append(_num(row.get(c)))
+            for c in CATEGORICAL:
+                self.codes[c].append(self._code(c, row.get(c)))
+            self.prompt_codes.append(self.prompts.setdefault(str(row.get("prompt") or ""), len(self.prompts)))
+            self.responses.append(f"{row.get('response') or ''}\n{row.get('task_id') or ''}")
+        if parsed:
+            self.arrays = self.lowered = None
+
     def columns(self) -> dict[str, np.ndarray]:
         """The columns of every indexed row, parsing only the rows not parsed before."""
-        done = len(self.prompt_codes)
-        if done < len(self.offsets):
-            start = self.offsets[done]
-            with open(self.path, "rb") as f:
-                f.seek(start)
-                data = f.read(self.end - start)
-            for offset in self.offsets[done:]:
-                at = offset - start
-                try:
-                    row = json.loads(data[at:data.index(b"\n", at)])
-                    if not isinstance(row, dict):
-                        raise ValueError("not an object")
-                except ValueError:
-                    row = {}  # shown as the row's error when its page is read
-                for c in NUMERIC:
-                    self.numeric[c].append(_num(row.get(c)))
-                for c in CATEGORICAL:
-                    self.codes[c].append(self._code(c, row.get(c)))
-                self.prompt_codes.append(self.prompts.setdefault(str(row.get("prompt") or ""), len(self.prompts)))
-                self.responses.append(f"{row.get('response') or ''}\n{row.get('task_id') or ''}")
-            self.arrays = self.lowered = None
+        self._append(self._parse(self.offsets, len(self.prompt_codes), len(self.offsets)))
         if self.arrays is None:
             arrays = {c: np.asarray(v, dtype=np.float64) for c, v in self.numeric.items()}
             arrays.update({c: np.asarray(v, dtype=np.int64) for c, v in self.codes.items()})
             arrays["prompt"] = np.asarray(self.prompt_codes, dtype=np.int64)
             self.arrays = arrays
         return self.arrays
+
+    def warm_in_background(self) -> None:
+        """Parse the missing columns in a thread, outside the lock (pages keep answering meanwhile),
+        and add them under it unless a request or a rewrite got there first."""
+        with self.lock:
+            if self.warming.is_set() or self.has_columns:
+                return
+            self.warming.set()
+            generation, offsets, first, last = self.generation, self.offsets, len(self.prompt_codes), len(self.offsets)
+
+        def work() -> None:
+            try:
+                parsed = self._parse(offsets, first, last)
+                with self.lock:
+                    if self.generation == generation and len(self.prompt_codes) == first:
+                        self._append(parsed)
+            finally:
+                self.warming.clear()
+
+        threading.Thread(target=work, name="rollouts-columns", daemon=True).start()
 
     def search_text(self) -> tuple[list[str], list[str]]:
         """Distinct prompts and per-row responses, lower-cased (after `columns()`)."""
@@ -339,7 +376,7 @@ def generations_index(run_dir: Path) -> GenerationsIndex:
     path = Path(run_dir) / GENERATIONS
     key = str(path.resolve())
     with _indexes_lock:
-        index = _indexes.pop(key, None) or GenerationsIndex(path)
+        index = _indexes.pop(key, None) or GenerationsIndex(path)  # (moved to the end: most recently used)
         _indexes[key] = index
         while len(_indexes) > CACHED_RUNS:
             _indexes.popitem(last=False)
@@ -440,9 +477,11 @@ def _read_rows(path: Path, offsets: list[int], rows: Iterator[int] | np.ndarray)
             line = f.readline()
             try:
                 data = json.loads(line)
+                if not isinstance(data, dict):
+                    raise ValueError(f"a JSON {type(data).__name__}, not an object")
                 yield GenerationRow(row=row, **{k: v for k, v in data.items() if k in GenerationRow.model_fields
                                                 and k != "row"})
-            except ValueError as exc:
+            except ValueError as exc:  # pydantic's ValidationError is one too: a field of the wrong type
                 yield GenerationRow(row=row, error=f"line {row + 1}: {str(exc)[:200]}")
 
 
@@ -466,14 +505,18 @@ def rollouts_page(runs_dir: Path, run_id: str, query: RolloutQuery) -> RolloutsP
             raise bad_parameter("page", f"page={query.page}: the table has {pages} page(s) of {query.per_page}")
         start = (query.page - 1) * query.per_page
         shown = list(_read_rows(index.path, index.offsets, rows[start:start + query.per_page]))
-        return RolloutsPage(run_id=run_id, query=query, total=len(index), matched=len(rows), pages=pages,
+        page = RolloutsPage(run_id=run_id, query=query, total=len(index), matched=len(rows), pages=pages,
                             rows=shown, columns=list(COLUMNS), default_columns=list(DEFAULT_COLUMNS),
                             sortable=list(SORTABLE), facets=facets(index) if index.has_columns else None)
+    if page.facets is None:
+        index.warm_in_background()
+    return page
 
 
 def _warm_columns(index: GenerationsIndex) -> None:
     """Read the columns now unless that would make a cold open of a big file wait: a small file, or
-    one whose columns were read before (then only the appended rows are parsed)."""
+    one whose columns were read before (then only the appended rows are parsed). A big file's are
+    read in the background after its first page."""
     if index.prompt_codes or index.end <= EAGER_COLUMNS_BYTES:
         index.columns()
 

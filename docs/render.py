@@ -709,11 +709,13 @@ def _():
 def _():
     rows = {r["case"]: r for r in load(DASH_GEN)["rows"]}
     warm = [r["ours_s"] for r in rows.values() if r["naive_s"]]
+    verdict = "under" if max(warm + [rows["cold open"]["ours_s"]]) < 1.0 else "not all under"
     return (f"Every warm request, filtered, searched, sorted or not, took at most {max(warm) * 1000:.0f} ms, and a cold "
-            f"open of the first page {rows['cold open']['ours_s'] * 1000:.0f} ms: under the issue's one second. The "
-            f"one request that is not is the first filtered one of a process over a big file, "
-            f"{rows['first filter']['ours_s']:.1f} s, which parses every line once into columns; after a 1,000-row "
-            f"append the first page took {rows['after a 1,000-row append']['ours_s'] * 1000:.0f} ms (the new "
+            f"open of the first page {rows['cold open']['ours_s'] * 1000:.0f} ms: {verdict} the issue's one second. The "
+            f"one request that is not is a filtered one arriving first in a process over a big file, "
+            f"{rows['first filter']['ours_s']:.1f} s: it parses every line once into columns (after a cold open a "
+            f"background thread does that parse while the first page is read); after a 1,000-row append the "
+            f"first page took {rows['after a 1,000-row append']['ours_s'] * 1000:.0f} ms (the new "
             f"lines only are parsed).")
 
 

@@ -382,7 +382,8 @@ def test_table_pages_chooses_columns_exports_csv_and_opens_a_row(browser, server
         assert page.locator('td[data-col="task_id"]').first.is_visible()
         page.click('[data-testid="reset-columns"]')
         assert "prompt" in shown_columns(page) and "task_id" not in shown_columns(page)
-        # Long cells expand.
+        # Long cells expand; a short one offers no "more".
+        assert page.locator('td[data-col="response"] [data-testid="expand"]').first.is_hidden()
         clip = page.locator('td[data-col="prompt"] .clip').first
         closed = clip.bounding_box()["height"]
         page.locator('td[data-col="prompt"] [data-testid="expand"]').first.click()

@@ -25,6 +25,10 @@
       el.classList.toggle("hidden-col", !shown[el.dataset.col]);
     });
     boxes.forEach(function (b) { b.checked = !!shown[b.value]; });
+    // "more" only where a cell is cut (a hidden column is measured when it is shown again).
+    table.querySelectorAll(".clip:not(.open)").forEach(function (clip) {
+      if (clip.offsetParent !== null) clip.nextElementSibling.hidden = clip.scrollHeight <= clip.clientHeight + 1;
+    });
   }
   boxes.forEach(function (b) {
     b.addEventListener("change", function () {

@@ -249,6 +249,20 @@ def test_generation_twin_has_every_token_from_the_exchange(client, runs_dir):
     assert after == before  # read-only: no journal, no cache, nothing touched
 
 
+def test_reading_a_wal_exchange_creates_no_files(tmp_path):
+    """The exchange runs SQLite in WAL mode; once it closes, its -wal and -shm files are gone, and a
+    plain read-only open would create them again in the run directory."""
+    run = write_run(tmp_path / RUN_ID, ROWS[:8])
+    conn = sqlite3.connect(run / "exchange.db")
+    assert conn.execute("PRAGMA journal_mode=wal").fetchone()[0] == "wal"
+    conn.close()
+    before = sorted(p.name for p in run.iterdir())
+    assert "exchange.db-wal" not in before
+    data = TestClient(create_dashboard_app(tmp_path)).get(f"/train/{RUN_ID}/rollouts/5.json").json()
+    assert data["source"] == "exchange.db" and data["n_tokens"] == 10
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
 def test_a_growing_file_shows_new_rows_and_a_rewrite_is_reindexed(tmp_path):
     run = write_run(tmp_path / RUN_ID, ROWS[:8])
     client = TestClient(create_dashboard_app(tmp_path))

@@ -544,8 +544,15 @@ def rollouts_csv(runs_dir: Path, run_id: str, query: RolloutQuery) -> Iterator[s
 
 
 def _open_readonly(path: Path) -> sqlite3.Connection:
-    # mode=ro: a read never creates, migrates or checkpoints the exchange's database.
-    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+    """The exchange's database for reading, creating nothing beside it.
+
+    mode=ro alone still creates `-wal` and `-shm` files next to a WAL database that has none (a
+    finished run's exchange removed them on close) and leaves them there; such a database is
+    complete in its main file, so it is opened immutable (no locks, no side files). While those
+    files exist (a live exchange, or one that crashed), the writer owns them and mode=ro reads
+    through them, seeing its latest commits."""
+    live = any(path.with_name(path.name + suffix).exists() for suffix in ("-wal", "-shm"))
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro{'' if live else '&immutable=1'}", uri=True, timeout=5)
     conn.row_factory = sqlite3.Row
     return conn
 

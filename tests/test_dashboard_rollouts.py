@@ -34,8 +34,9 @@ ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
 CHROMIUM = Path("/usr/bin/chromium")
 RUN_ID = "20260301T120000Z-r0ll0t"
 WHERE = ("exp", "runs", "grpo__s0")  # a campaign run's place under --runs
-VOCAB = ["[UNK]", "<tool_call>", "calc", "(2+3)", "</tool_call>", "5", "The", "answer", "is", "<|im_end|>"]
-MODEL_A = [1, 2, 3, 4]          # a tool call
+CALL = '{"name": "calc", "arguments": {"expression": "2+3"}}'
+VOCAB = ["[UNK]", "<tool_call>", "\n", CALL, "</tool_call>", "5", "The ", "answer ", "is ", "<|im_end|>"]
+MODEL_A = [1, 2, 3, 2, 4]       # a tool call
 TOOL = [5]                      # the tool's output, spliced into the response
 MODEL_B = [6, 7, 8, 5, 9]       # the answer
 NEEDLE = "zebracorn"
@@ -71,12 +72,13 @@ ROWS = generations()
 def write_run(run: Path, rows: list[dict]) -> Path:
     run.mkdir(parents=True)
     (run / "generations.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, decoders
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
 
     tokenizer = Tokenizer(WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = WhitespaceSplit()
+    tokenizer.decoder = decoders.Fuse()  # tokens joined as they are, as a byte-level BPE decodes
     (run / "checkpoints" / "v0002").mkdir(parents=True)
     tokenizer.save(str(run / "checkpoints" / "v0002" / "tokenizer.json"))
     conn = sqlite3.connect(run / "exchange.db")
@@ -112,8 +114,7 @@ def write_run(run: Path, rows: list[dict]) -> Path:
 
 def logprobs(group: int, sample: int) -> list[float]:
     """Behaviour logprobs of the response tokens (tool output slots 0, as the contract says)."""
-    values = [-0.01 * (group + 1), -0.5, -2.0 - sample, -0.02, 0.0, -0.03, -1.5, -0.04, -6.0, -0.001]
-    return values
+    return [-0.01 * (group + 1), -0.5, -2.0 - sample, -0.02, -0.3, 0.0, -0.03, -1.5, -0.04, -6.0, -0.001]
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +231,14 @@ def test_generation_twin_has_every_token_from_the_exchange(client, runs_dir):
     data = client.get(f"/train/{RUN_ID}/rollouts/{row}.json").json()
     assert data["generation"] == expected_row(row)
     assert (data["source"], data["engine"], data["finish_reason"], data["n_tokens"]) == (
-        "exchange.db", "rollmarket-hf 0.1.0", "stop", 10)
+        "exchange.db", "rollmarket-hf 0.1.0", "stop", 11)
     kinds = [(s["kind"], s["turn"], [t["token_id"] for t in s["tokens"]]) for s in data["segments"]]
     assert kinds == [("model", 0, MODEL_A), ("tool", 0, TOOL), ("model", 1, MODEL_B)]
     tokens = [t for s in data["segments"] for t in s["tokens"]]
     assert [t["text"] for t in tokens] == [VOCAB[i] for i in MODEL_A + TOOL + MODEL_B]
+    assert [s["text"] for s in data["segments"]] == ["".join(VOCAB[i] for i in ids) for ids in (MODEL_A, TOOL, MODEL_B)]
+    assert [s["tool_calls"] for s in data["segments"]] == [
+        [{"name": "calc", "arguments": json.dumps({"expression": "2+3"})}], [], []]
     want = logprobs(5, 2)
     for t in tokens:
         tool = t["position"] == len(MODEL_A)
@@ -244,7 +248,8 @@ def test_generation_twin_has_every_token_from_the_exchange(client, runs_dir):
     assert data["report"] == {"status": ROWS[row]["decision"], "token_ess": 0.905, "mean_abs_delta": 0.05, "max_abs_delta": 0.5,
                               "clipped_fraction": 0.125, "router_flip_rate": None, "reasons": ["within_budget"]}
     html = client.get(f"/train/{RUN_ID}/rollouts/{row}").text
-    assert html.count('data-testid="tok"') == 9 and 'data-testid="tool-output"' in html
+    assert html.count('data-testid="tok"') == 10 and 'data-testid="tool-output"' in html
+    assert 'data-testid="tool-call"' in html and "calc({&#34;expression&#34;: &#34;2+3&#34;})" in html
     after = {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in run.iterdir()}
     assert after == before  # read-only: no journal, no cache, nothing touched
 
@@ -259,7 +264,7 @@ def test_reading_a_wal_exchange_creates_no_files(tmp_path):
     before = sorted(p.name for p in run.iterdir())
     assert "exchange.db-wal" not in before
     data = TestClient(create_dashboard_app(tmp_path)).get(f"/train/{RUN_ID}/rollouts/5.json").json()
-    assert data["source"] == "exchange.db" and data["n_tokens"] == 10
+    assert data["source"] == "exchange.db" and data["n_tokens"] == 11
     assert sorted(p.name for p in run.iterdir()) == before
 
 
@@ -312,6 +317,22 @@ def test_a_run_without_an_exchange_shows_its_text(tmp_path):
     assert table(client, step_min=0)["matched"] == 1  # unreadable rows have no step to pass a bound
     page = client.get(f"/train/{RUN_ID}/rollouts/0.json").json()
     assert page["segments"] == [] and "exchange.db" in page["note"]
+
+
+def test_the_pages_never_import_torch(runs_dir):
+    """Services never load torch: the table, the CSV and a generation's page (tokenizer, exchange payload
+    and tool-call parsing included) are served by a process that never imports it."""
+    code = f"""
+import sys
+from fastapi.testclient import TestClient
+from rollmarket.dashboard import create_dashboard_app
+client = TestClient(create_dashboard_app({str(runs_dir)!r}))
+for url in ["/train/{RUN_ID}/rollouts?q=x", "/train/{RUN_ID}/rollouts.csv", "/train/{RUN_ID}/rollouts/3"]:
+    assert client.get(url).status_code == 200, url
+assert "torch" not in sys.modules and "transformers" not in sys.modules
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_pages_load_nothing_from_the_network(client):
@@ -420,12 +441,13 @@ def test_table_pages_chooses_columns_exports_csv_and_opens_a_row(browser, server
         page.click(f'tr[data-row="{want[0]}"] [data-testid="open-row"]')
         page.wait_for_selector('[data-testid="tokens"]')
         assert page.locator('[data-testid="tool-output"]').count() == 1
+        assert page.locator('[data-testid="tool-call"] code').inner_text() == 'calc({"expression": "2+3"})'
         toks = page.locator('[data-testid="tok"]')
-        assert toks.count() == 9
-        unlikely = toks.nth(7)  # "5" at position 8 (the tool token is not a model token): logprob −6.0
+        assert toks.count() == 10
+        unlikely = toks.nth(8)  # "5" at position 9 (the tool token is not a model token): logprob −6.0
         assert "214, 137, 16" in unlikely.evaluate("e => getComputedStyle(e).backgroundColor")
         assert "-6.0000" in unlikely.get_attribute("title")
-        assert toks.nth(3).evaluate("e => getComputedStyle(e).backgroundColor") != unlikely.evaluate(
+        assert toks.nth(5).evaluate("e => getComputedStyle(e).backgroundColor") != unlikely.evaluate(
             "e => getComputedStyle(e).backgroundColor")
         shot(page, "rollouts-generation")
     finally:
@@ -453,7 +475,7 @@ def test_static_export_pages_from_files(browser, runs_dir, tmp_path):
         page.wait_for_selector('tr[data-row="25"]')
         page.click('tr[data-row="30"] [data-testid="open-row"]')
         page.wait_for_selector('[data-testid="tokens"]')
-        assert page.locator('[data-testid="tok"]').count() == 9
+        assert page.locator('[data-testid="tok"]').count() == 10
         page.click('[data-testid="back"]')
         page.wait_for_selector('tr[data-row="0"]')
     finally:

@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import re
 import sqlite3
 import threading
 from collections import OrderedDict
@@ -139,6 +140,13 @@ class TokenCell(Record):
     logprob: float | None = Field(description="The behaviour (rollout) logprob; None for tool output tokens.")
 
 
+class ToolCallView(Record):
+    """A tool call the model wrote in a segment, parsed as the agent parses it."""
+
+    name: str
+    arguments: str = Field(description="The arguments as JSON.")
+
+
 class Segment(Record):
     """A run of response tokens from one source: the model (an action) or a tool's output."""
 
@@ -146,6 +154,7 @@ class Segment(Record):
     turn: int = Field(description="The turn (0-based, from turn_boundaries) the segment starts in.")
     text: str
     tokens: list[TokenCell]
+    tool_calls: list[ToolCallView] = Field(default_factory=list, description="Calls in a model segment's text.")
 
 
 class GroupReport(Record):
@@ -570,6 +579,25 @@ def _load_tokenizer(path: str):
     return Tokenizer.from_file(path)
 
 
+_TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+
+
+def _tool_calls(text: str) -> list[dict]:
+    """The well-formed tool calls in a model's text, as `models.template.parse_tool_calls` finds them
+    (not imported from there: the `models` package loads torch, which the dashboard never does)."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(match.group(1))
+            args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+            args = json.loads(args) if isinstance(args, str) else args
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict):
+            calls.append({"name": obj["name"], "arguments": args})
+    return calls
+
+
 def generation_page(runs_dir: Path, run_id: str, row: int) -> GenerationPage:
     """One generation: its row, and its tokens from the run's exchange.db (group by group_id,
     trajectory by sample_index), segmented into model turns and tool output."""
@@ -624,10 +652,13 @@ def generation_page(runs_dir: Path, run_id: str, row: int) -> GenerationPage:
         if not runs or runs[-1][0] != kind or pos in boundaries:
             runs.append((kind, sum(1 for b in boundaries if 0 < b <= pos), []))
         runs[-1][2].append(cell)
-    segments = [Segment(kind=kind, turn=turn, tokens=cells,
-                        text=(tokenizer.decode([c.token_id for c in cells], skip_special_tokens=False)
-                              if tokenizer else "".join(c.text for c in cells)))
-                for kind, turn, cells in runs]
+    segments = []
+    for kind, turn, cells in runs:
+        text = (tokenizer.decode([c.token_id for c in cells], skip_special_tokens=False) if tokenizer
+                else "".join(c.text for c in cells))
+        calls = [ToolCallView(name=c["name"], arguments=json.dumps(c["arguments"], ensure_ascii=False))
+                 for c in (_tool_calls(text) if kind == "model" else [])]
+        segments.append(Segment(kind=kind, turn=turn, tokens=cells, text=text, tool_calls=calls))
     model_lp = [lp for lp, tool in zip(logprobs_T, tool_T) if not tool and lp is not None]
     note = ("The trainer's teacher-forced logprobs of these tokens are not saved with a training run, so tokens "
             "are coloured by how unlikely the behaviour policy found them; the gate's group figures are above.")

@@ -280,6 +280,8 @@ def test_a_growing_file_shows_new_rows_and_a_rewrite_is_reindexed(tmp_path):
     with open(run / "generations.jsonl", "a") as f:
         f.write(json.dumps(ROWS[9])[30:] + "\n")
     assert table(client, per_page=500)["rows"][-1] == expected_row(9)
+    # The filters' columns grew with the file (rows 8 and 9 are group 2's, the first quarantined).
+    assert [r["row"] for r in table(client, decision="quarantine")["rows"]] == [8, 9]
     # A resumed run rewrites the file (torn rows dropped): the index starts over.
     (run / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[40:43]))
     data = table(client)

@@ -334,16 +334,17 @@ class GenerationsIndex:
             self.prompt_codes.append(self.prompts.setdefault(str(row.get("prompt") or ""), len(self.prompts)))
             self.responses.append(f"{row.get('response') or ''}\n{row.get('task_id') or ''}")
         if parsed:
-            self.arrays = self.lowered = None
+            self.lowered = None
 
     def columns(self) -> dict[str, np.ndarray]:
-        """The columns of every indexed row, parsing only the rows not parsed before."""
+        """The columns of every indexed row, parsing only the rows not parsed before (and converting
+        only their values: the arrays of the rows before are kept and extended)."""
         self._append(self._parse(self.offsets, len(self.prompt_codes), len(self.offsets)))
-        if self.arrays is None:
-            arrays = {c: np.asarray(v, dtype=np.float64) for c, v in self.numeric.items()}
-            arrays.update({c: np.asarray(v, dtype=np.int64) for c, v in self.codes.items()})
-            arrays["prompt"] = np.asarray(self.prompt_codes, dtype=np.int64)
-            self.arrays = arrays
+        done = 0 if self.arrays is None else len(self.arrays["prompt"])
+        if self.arrays is None or done < len(self.prompt_codes):
+            lists = {**self.numeric, **self.codes, "prompt": self.prompt_codes}
+            new = {c: np.asarray(v[done:], dtype=np.float64 if c in NUMERIC else np.int64) for c, v in lists.items()}
+            self.arrays = new if self.arrays is None else {c: np.concatenate([self.arrays[c], new[c]]) for c in new}
         return self.arrays
 
     def warm_in_background(self) -> None:

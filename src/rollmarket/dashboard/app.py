@@ -5,6 +5,9 @@
     /train/<run_id>/metrics.json                its metrics as columns; ?after=<step> gives the newer steps
     /runs/<run_id>                              matrices, worst token, length scaling, divergence
     /runs/<run_id>/trajectory/<rollout>/<id>    the viewer; ?trainer=<engine>&compare=<rollout engine>
+    /train/<run_id>/rollouts                    generations.jsonl as a table; ?page=&per_page=&q=&sort=&… (rollouts.py)
+    /train/<run_id>/rollouts.csv                the filtered table as CSV
+    /train/<run_id>/rollouts/<row>              one generation's turns, tool output and tokens
     /metrics                                    what every number means
     /healthz                                    liveness
 """
@@ -15,7 +18,7 @@ import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..contracts import Record
@@ -25,6 +28,7 @@ from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
 from .runs import RunIndex, index_page
 from .training import TrainingRuns, parse_after
+from .rollouts import bad_parameter, generation_page, parse_query, rollouts_csv, rollouts_page
 
 
 def _json(record: Record) -> Response:
@@ -78,7 +82,7 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     @app.exception_handler(DashboardError)
     async def dashboard_error(request: Request, exc: DashboardError) -> Response:
         body = _error_body(exc)
-        if request.scope["path"].endswith(".json"):
+        if request.scope["path"].endswith((".json", ".csv")):  # data, not a page: the error as data too
             return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
         here = Linker(Page("raw", asset=request.scope["path"]), static=False)
         page = renderer.render("error.html", body, here, status=exc.status_code, code=exc.missing.value,
@@ -143,4 +147,45 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
                              compare=compare or None)
         return html("trajectory.html", page, Page.trajectory(here))
 
+    def table_query(request: Request):
+        return parse_query(dict(request.query_params))
+
+    def row_number(row: str) -> int:
+        if not row.isdigit():
+            raise bad_parameter("row", f"row {row[:100]!r} is not a row number")
+        return int(row)
+
+    # `.json` and `.csv` first, as above.
+    @app.get("/train/{run_id}/rollouts.json")
+    def rollouts_json(run_id: str, request: Request) -> Response:
+        return _json(rollouts_page(runs.runs_dir, run_id, table_query(request)))
+
+    @app.get("/train/{run_id}/rollouts.csv")
+    def rollouts_csv_file(run_id: str, request: Request) -> Response:
+        query = table_query(request)
+        chunks = rollouts_csv(runs.runs_dir, run_id, query)
+        first = next(chunks)  # finds the run (or raises its typed 404) before the response starts
+        return StreamingResponse(
+            _prepend(first, chunks), media_type="text/csv; charset=utf-8",
+            headers={"Content-Disposition": f'attachment; filename="{run_id}-rollouts.csv"'})
+
+    @app.get("/train/{run_id}/rollouts", response_class=HTMLResponse)
+    def rollouts(run_id: str, request: Request) -> HTMLResponse:
+        page = rollouts_page(runs.runs_dir, run_id, table_query(request))
+        return html("rollouts.html", page, Page.rollouts(run_id, page.query.params()))
+
+    @app.get("/train/{run_id}/rollouts/{row}.json")
+    def generation_json(run_id: str, row: str) -> Response:
+        return _json(generation_page(runs.runs_dir, run_id, row_number(row)))
+
+    @app.get("/train/{run_id}/rollouts/{row}", response_class=HTMLResponse)
+    def generation(run_id: str, row: str) -> HTMLResponse:
+        page = generation_page(runs.runs_dir, run_id, row_number(row))
+        return html("rollout.html", page, Page.generation(run_id, page.generation.row))
+
     return app
+
+
+def _prepend(first: str, rest):
+    yield first
+    yield from rest

@@ -70,10 +70,12 @@ class Missing(str, Enum):
     trainer_engine = "unknown_trainer_engine"
     trajectory = "unknown_trajectory"
     compare = "unknown_compare_engine"
+    row = "unknown_row"
+    """A table row (a generation) the run does not have."""
     unreadable_run = "unreadable_run"
     """A file of the run (matrix.json, a report, a viewer file) does not parse (served as 500)."""
     bad_query = "bad_query"
-    """A query parameter the page cannot use (served as 400)."""
+    """A query parameter that is unknown, malformed or one the page cannot use (served as 400)."""
 
 
 class DashboardError(Exception):

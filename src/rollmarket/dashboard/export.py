@@ -12,6 +12,8 @@ from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
 from .runs import RunIndex, RunKind, index_page
 from .training import TrainingRuns
+from .rollouts import (EXPORT_PAGES, RolloutQuery, generation_page, rollouts_csv, rollouts_page,
+                       training_runs)
 
 
 class ExportSummary(Record):
@@ -20,6 +22,9 @@ class ExportSummary(Record):
     runs: int
     trajectories: int
     training: int = 0
+    """Training (and demo) runs' curve pages."""
+    rollout_pages: int = 0
+    """Pages of training runs' rollouts tables (the first EXPORT_PAGES of each, with their rows' pages)."""
 
 
 def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
@@ -55,7 +60,23 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     trained = [e.run_id for e in every.entries if e.kind in (RunKind.train, RunKind.demo) and not e.error]
     observatory_pages = len(pages) - 2
     pages += [(Page.train(run_id), "train.html", training.page(run_id)) for run_id in trained]
-    exported = {file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
+    # Rollouts: each training run's first EXPORT_PAGES table pages in file order, each of their rows'
+    # generation pages, and the whole table as CSV (a filtered page needs the server).
+    tables: list[tuple[Page, str, Record]] = []
+    csvs: list[tuple[Page, str]] = []
+    for run_dir in training_runs(runs_dir):
+        run_id = run_dir.name
+        for number in range(1, EXPORT_PAGES + 1):
+            table = rollouts_page(runs_dir, run_id, RolloutQuery(page=number))
+            tables.append((Page.rollouts(run_id, table.query.params()), "rollouts.html", table))
+            tables += [(Page.generation(run_id, row.row), "rollout.html", generation_page(runs_dir, run_id, row.row))
+                       for row in table.rows]
+            if number >= table.pages:
+                break
+        csvs.append((Page.rollouts(run_id, csv=True), run_id))
+    pages += tables
+    exported = ({file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
+                | {file_path(p) for p, _ in csvs})
 
     renderer = Renderer()
     # Files are overwritten, never deleted: DIR may hold other things (even the runs themselves).
@@ -70,9 +91,12 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
 
     for page, template, record in pages:
         write(page, template, record)
+    for page, run_id in csvs:
+        with open(out / file_path(page), "w", encoding="utf-8", newline="") as f:
+            f.writelines(rollouts_csv(runs_dir, run_id, RolloutQuery()))
     for ref in trajectories:
         record = runs.trajectory_page(ref.run_id, ref.rollout_engine, ref.trajectory_id, trainer=ref.trainer_engine,
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
     return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=observatory_pages,
-                         trajectories=len(trajectories), training=len(trained))
+                         trajectories=len(trajectories), training=len(trained), rollout_pages=len(tables))

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
@@ -28,13 +28,16 @@ class Page:
     """One page of the dashboard, independent of whether a server or a folder of files serves it."""
 
     kind: str
-    """index, run, trajectory, metrics, train, train-metrics, rollouts, campaign, static, or raw (a server
-    path as requested, for error pages)."""
+    """index, run, trajectory, metrics, train, train-metrics, rollouts, rollouts_csv, generation, campaign,
+    static, or raw (a server path as requested, for error pages)."""
     run_id: str | None = None
     ref: TrajectoryRef | None = None
     asset: str | None = None
     query: str | None = None
     """The query string a served page was asked with (its twin keeps it); a static export has none."""
+    params: tuple[tuple[str, str], ...] = ()
+    """A rollouts table's non-default query parameters, sorted."""
+    row: int | None = None
 
     @classmethod
     def index(cls) -> Page:
@@ -62,8 +65,12 @@ class Page:
         return cls("train-metrics", run_id=run_id)
 
     @classmethod
-    def rollouts(cls, run_id: str) -> Page:
-        return cls("rollouts", run_id=run_id)
+    def rollouts(cls, run_id: str, params: dict[str, str] | None = None, *, csv: bool = False) -> Page:
+        return cls("rollouts_csv" if csv else "rollouts", run_id=run_id, params=tuple(sorted((params or {}).items())))
+
+    @classmethod
+    def generation(cls, run_id: str, row: int) -> Page:
+        return cls("generation", run_id=run_id, row=row)
 
     @classmethod
     def campaign(cls, campaign_id: str) -> Page:
@@ -84,8 +91,6 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
         return f"/train/{quote(page.run_id, safe='')}{ext}{query}"
     if page.kind == "train-metrics":
         return f"/train/{quote(page.run_id, safe='')}/metrics.json"
-    if page.kind == "rollouts":
-        return f"/train/{quote(page.run_id, safe='')}/rollouts{ext}"
     if page.kind == "campaign":
         return f"/campaigns/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "metrics":
@@ -94,6 +99,11 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
         return f"/runs/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "trajectory":
         return trajectory_path(page.ref, json_twin=json_twin)
+    if page.kind in ("rollouts", "rollouts_csv"):
+        ext = ".csv" if page.kind == "rollouts_csv" else ext
+        return f"/train/{quote(page.run_id, safe='')}/rollouts{ext}" + ("?" + urlencode(page.params) if page.params else "")
+    if page.kind == "generation":
+        return f"/train/{quote(page.run_id, safe='')}/rollouts/{page.row}{ext}"
     if page.kind == "raw":
         return page.asset + ("" if not json_twin or page.asset.endswith(".json") else ".json")
     return f"/static/{page.asset}"
@@ -115,8 +125,6 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
         return f"train/{slug(page.run_id)}{ext}"
     if page.kind == "train-metrics":
         return f"train/{slug(page.run_id)}/metrics.json"
-    if page.kind == "rollouts":
-        return f"train/{slug(page.run_id)}/rollouts{ext}"
     if page.kind == "campaign":
         return f"campaigns/{slug(page.run_id)}{ext}"
     if page.kind == "trajectory":
@@ -125,6 +133,18 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
         if ref.compare:
             name += f"__vs__{slug(ref.compare)}"
         return f"runs/{slug(ref.run_id)}/trajectory/{slug(ref.rollout_engine)}/{name}{ext}"
+    if page.kind == "rollouts":
+        # Only plain pages are exported (page=N, nothing else): a filtered page is not among the files.
+        params = dict(page.params)
+        number = params.pop("page", "1")
+        suffix = "" if number == "1" else f"-page{slug(number)}"
+        extra = "".join(f"~{slug(k)}={slug(v)}" for k, v in sorted(params.items()))
+        return f"train/{slug(page.run_id)}/rollouts{suffix}{extra}{ext}"
+    if page.kind == "rollouts_csv":
+        extra = "".join(f"~{slug(k)}={slug(v)}" for k, v in page.params)
+        return f"train/{slug(page.run_id)}/rollouts{extra}.csv"
+    if page.kind == "generation":
+        return f"train/{slug(page.run_id)}/rollouts/{page.row}{ext}"
     return f"static/{page.asset}"
 
 
@@ -172,10 +192,6 @@ class Linker:
     def train_metrics(self, run_id: str) -> str:
         return self.href(Page.train_metrics(run_id))
 
-    def rollouts(self, run_id: str) -> str | None:
-        page = Page.rollouts(run_id)
-        return self.href(page) if self.has(page) else None
-
     def campaign(self, campaign_id: str) -> str | None:
         page = Page.campaign(campaign_id)
         return self.href(page) if self.has(page) else None
@@ -194,6 +210,15 @@ class Linker:
             changes["compare"] = compare
         page = Page.trajectory(ref.model_copy(update=changes) if changes else ref)
         return self.href(page, fragment=fragment) if self.has(page) else None
+
+    def rollouts(self, run_id: str, params: dict[str, str] | None = None, *, csv: bool = False) -> str | None:
+        """A page (or the CSV) of a run's rollouts table with these query parameters; None if not exported."""
+        page = Page.rollouts(run_id, params, csv=csv)
+        return self.href(page) if self.has(page) else None
+
+    def generation(self, run_id: str, row: int) -> str | None:
+        page = Page.generation(run_id, row)
+        return self.href(page) if self.has(page) else None
 
     def asset(self, name: str) -> str:
         return self.href(Page.static(name))
@@ -236,6 +261,19 @@ def delta_style(delta: float | None) -> str:
     rgb = "33,102,172" if delta > 0 else "178,24,43"
     ink = ";color:#fff" if alpha > 0.55 else ""
     return f"background:rgba({rgb},{alpha:.3f}){ink}"
+
+
+SURPRISE_SATURATION = 4.0
+"""−logprob at which a token's shade is full on the generation page."""
+
+
+def surprise_style(logprob: float | None) -> str:
+    """A shade for an unlikely token (no trainer logprobs to take a Δ against): amber, fuller as the
+    behaviour policy's logprob of it falls; none for a token it was sure of or tool output."""
+    if logprob is None or not math.isfinite(logprob):
+        return ""
+    alpha = min(1.0, max(0.0, -logprob) / SURPRISE_SATURATION)
+    return f"background:rgba(214,137,16,{alpha:.3f})" if alpha >= 0.01 else ""
 
 
 def token_text(text: str) -> str:
@@ -285,7 +323,7 @@ class Renderer:
     def __init__(self) -> None:
         self.env = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html"]),
                                undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-        self.env.filters.update(num=num, signed=signed, pct=pct, interval=interval, delta_style=delta_style,
+        self.env.filters.update(num=num, signed=signed, pct=pct, interval=interval, delta_style=delta_style, surprise_style=surprise_style,
                                 token_text=token_text)
         self.env.globals.update(tip=tip, delta_saturation=DELTA_SATURATION)
 

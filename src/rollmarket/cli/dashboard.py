@@ -28,7 +28,8 @@ def dashboard(runs_dir: Path, host: str, port: int, static_dir: Path | None, log
 
         with console.status(f"exporting {runs_dir} to {static_dir}"):
             summary = export_static(runs_dir, static_dir)
-        console.print(f"wrote {summary.pages} pages ({summary.runs} runs, {summary.trajectories} trajectory pages) "
+        console.print(f"wrote {summary.pages} pages ({summary.runs} runs, {summary.trajectories} trajectory pages, "
+                      f"{summary.campaigns} campaigns) "
                       f"to [bold]{static_dir}[/]; open {(static_dir / 'index.html').resolve().as_uri()}",
                       highlight=False)
         return

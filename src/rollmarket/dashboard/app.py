@@ -4,6 +4,8 @@
     /runs/<run_id>                              matrices, worst token, length scaling, divergence
     /runs/<run_id>/trajectory/<rollout>/<id>    the viewer; ?trainer=<engine>&compare=<rollout engine>
     /metrics                                    what every number means
+    /campaigns/<campaign_id>                    curves over seeds with 95% bands, runs, verdicts; ?metric=KEY…
+    /questions                                  the research agenda's open questions, answered or open
     /healthz                                    liveness
 """
 
@@ -11,15 +13,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from ..contracts import Record
 from ..contracts.errors import ErrorBody, ErrorCode, ErrorDetail
+from .campaigns import Campaigns
 from .data import DashboardError, Missing, Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
+from .questions import questions_page
 
 
 def _json(record: Record) -> Response:
@@ -35,6 +39,7 @@ def _error_body(exc: DashboardError) -> ErrorBody:
 def create_dashboard_app(runs_dir: Path) -> FastAPI:
     """The dashboard over every observatory run under `runs_dir` (read on each request)."""
     runs = Runs(Path(runs_dir))
+    campaigns = Campaigns(Path(runs_dir))
     renderer = Renderer()
     app = FastAPI(title="rollmarket observatory dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = runs
@@ -72,6 +77,22 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     @app.get("/metrics", response_class=HTMLResponse)
     def metrics() -> HTMLResponse:
         return html("metrics.html", metrics_page(), Page.metrics())
+
+    @app.get("/questions.json")
+    def questions_json() -> Response:
+        return _json(questions_page(campaigns))
+
+    @app.get("/questions", response_class=HTMLResponse)
+    def questions() -> HTMLResponse:
+        return html("questions.html", questions_page(campaigns), Page.questions())
+
+    @app.get("/campaigns/{campaign_id}.json")
+    def campaign_json(campaign_id: str, metric: list[str] | None = Query(default=None)) -> Response:
+        return _json(campaigns.page(campaign_id, metric))
+
+    @app.get("/campaigns/{campaign_id}", response_class=HTMLResponse)
+    def campaign(campaign_id: str, metric: list[str] | None = Query(default=None)) -> HTMLResponse:
+        return html("campaign.html", campaigns.page(campaign_id, metric), Page.campaign(campaign_id))
 
     # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
     @app.get("/runs/{run_id}.json")

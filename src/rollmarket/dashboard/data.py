@@ -70,6 +70,9 @@ class Missing(str, Enum):
     trainer_engine = "unknown_trainer_engine"
     trajectory = "unknown_trajectory"
     compare = "unknown_compare_engine"
+    campaign = "unknown_campaign"
+    metric = "unknown_metric"
+    """A ?metric= the campaign's runs do not log."""
     unreadable_run = "unreadable_run"
     """A file of the run (matrix.json, a report, a viewer file) does not parse (served as 500)."""
 

@@ -7,9 +7,11 @@ import shutil
 from pathlib import Path
 
 from ..contracts import Record
+from .campaigns import Campaigns
 from .data import Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
+from .questions import questions_page
 
 
 class ExportSummary(Record):
@@ -17,6 +19,7 @@ class ExportSummary(Record):
     pages: int
     runs: int
     trajectories: int
+    campaigns: int = 0
 
 
 def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
@@ -25,10 +28,14 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     Trajectory pages: every trajectory of every viewer file once per trainer engine, and the
     side-by-side pages of each divergence, from either engine's side, once per trainer."""
     runs = Runs(Path(runs_dir))
+    campaigns = Campaigns(Path(runs_dir))
     out = Path(out_dir)
     index = runs.index_page()
     pages: list[tuple[Page, str, Record]] = [(Page.index(), "index.html", index),
-                                             (Page.metrics(), "metrics.html", metrics_page())]
+                                             (Page.metrics(), "metrics.html", metrics_page()),
+                                             (Page.questions(), "questions.html", questions_page(campaigns))]
+    # Campaign pages with their default curves (the metric chooser needs the server).
+    campaign_pages = [(Page.campaign(c), "campaign.html", campaigns.page(c)) for c in campaigns.ids()]
     trajectories: list[TrajectoryRef] = []
     for summary in index.runs:
         if summary.error:
@@ -43,6 +50,7 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
                                                   "compare": row.view.rollout_engine})
             trajectories += [ref.model_copy(update={"trainer_engine": t})
                              for ref in (row.view, swapped) for t in run_page.trainer_engines]
+    pages += campaign_pages
     exported = {file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
 
     renderer = Renderer()
@@ -62,5 +70,6 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
         record = runs.trajectory_page(ref.run_id, ref.rollout_engine, ref.trajectory_id, trainer=ref.trainer_engine,
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
-    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=len(pages) - 2,
-                         trajectories=len(trajectories))
+    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories),
+                         runs=len(pages) - 3 - len(campaign_pages), trajectories=len(trajectories),
+                         campaigns=len(campaign_pages))

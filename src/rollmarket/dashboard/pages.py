@@ -28,8 +28,10 @@ class Page:
     """One page of the dashboard, independent of whether a server or a folder of files serves it."""
 
     kind: str
-    """index, run, trajectory, metrics, static, or raw (a server path as requested, for error pages)."""
+    """index, run, trajectory, metrics, train, campaign, questions, static, or raw (a server path as
+    requested, for error pages)."""
     run_id: str | None = None
+    """The run's id; for a campaign page, the campaign's."""
     ref: TrajectoryRef | None = None
     asset: str | None = None
 
@@ -50,6 +52,18 @@ class Page:
         return cls("trajectory", run_id=ref.run_id, ref=ref)
 
     @classmethod
+    def train(cls, run_id: str) -> Page:
+        return cls("train", run_id=run_id)
+
+    @classmethod
+    def campaign(cls, campaign_id: str) -> Page:
+        return cls("campaign", run_id=campaign_id)
+
+    @classmethod
+    def questions(cls) -> Page:
+        return cls("questions")
+
+    @classmethod
     def static(cls, asset: str) -> Page:
         return cls("static", asset=asset)
 
@@ -59,8 +73,12 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
     ext = ".json" if json_twin else ""
     if page.kind == "index":
         return "/index.json" if json_twin else "/"
-    if page.kind == "metrics":
-        return f"/metrics{ext}"
+    if page.kind in ("metrics", "questions"):
+        return f"/{page.kind}{ext}"
+    if page.kind == "train":
+        return f"/train/{quote(page.run_id, safe='')}{ext}"
+    if page.kind == "campaign":
+        return f"/campaigns/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "run":
         return f"/runs/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "trajectory":
@@ -78,8 +96,12 @@ def slug(name: str) -> str:
 def file_path(page: Page, *, json_twin: bool = False) -> str:
     """The page's file in a static export, relative to its root."""
     ext = ".json" if json_twin else ".html"
-    if page.kind in ("index", "metrics"):
+    if page.kind in ("index", "metrics", "questions"):
         return page.kind + ext
+    if page.kind == "train":
+        return f"train/{slug(page.run_id)}{ext}"
+    if page.kind == "campaign":
+        return f"campaigns/{slug(page.run_id)}{ext}"
     if page.kind == "run":
         return f"runs/{slug(page.run_id)}{ext}"
     if page.kind == "trajectory":
@@ -126,6 +148,19 @@ class Linker:
 
     def run(self, run_id: str) -> str:
         return self.href(Page.run(run_id))
+
+    def train(self, run_id: str) -> str | None:
+        """A training run's page; None where a static export did not write it."""
+        page = Page.train(run_id)
+        return self.href(page) if self.has(page) else None
+
+    def campaign(self, campaign_id: str) -> str | None:
+        """A campaign's page; None where a static export did not write it."""
+        page = Page.campaign(campaign_id)
+        return self.href(page) if self.has(page) else None
+
+    def questions(self) -> str:
+        return self.href(Page.questions())
 
     def trajectory(self, ref: TrajectoryRef, *, trainer: str | None = None, compare: str | None | bool = False,
                    fragment: str | None = None) -> str | None:

@@ -1,5 +1,5 @@
-"""The open-questions page: each question of the research agenda (the issue's anchor,
-`../shared/seeds/future-research.md`) with our answer in a sentence and its evidence, or "open".
+"""The open-questions page: each question of the research agenda the project started from (the
+issue's anchor, future-research.md) with our answer in a sentence and its evidence, or "open".
 
 The content is `questions.toml` beside this module, validated on load: a bad file is a
 `QuestionsFileError` naming the file and what is wrong, never a half-rendered page. Evidence is a
@@ -60,7 +60,8 @@ class Evidence(Record):
 class Question(Record):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    number: str = Field(pattern=r"^[0-9]+[a-z]?$", description="The anchor's number (9b included).")
+    number: str = Field(pattern=r"^[0-9]+[a-z]?$", description="The agenda's number (9b included).")
+    heading: str = Field(min_length=1, description="The agenda's heading of it, verbatim.")
     title: str = Field(min_length=1, description="A short title, in our words.")
     status: Status
     answer: str = Field(min_length=1, description="One sentence: the answer, or what exists and what is open.")

@@ -227,6 +227,24 @@ def test_metric_chooser_and_typed_errors(client, numbers):
         assert html.status_code == 404 and reason in html.text and "text/html" in html.headers["content-type"]
 
 
+def test_campaigns_are_found_by_name_at_any_depth(runs_dir, numbers, tmp_path):
+    # --runs may be the campaign directory itself; a deeper namesake loses to the shallower one.
+    alone = TestClient(create_dashboard_app(runs_dir / CAMPAIGN))
+    assert alone.get(f"/campaigns/{CAMPAIGN}.json").json()["path"] == str(runs_dir / CAMPAIGN)
+    write_wip_campaign(tmp_path / "a" / "b" / WIP)
+    write_wip_campaign(tmp_path / "z" / WIP)
+    data = TestClient(create_dashboard_app(tmp_path)).get(f"/campaigns/{WIP}.json").json()
+    assert data["path"] == str(tmp_path / "z" / WIP)
+
+
+def test_an_unreadable_manifest_is_a_typed_500(tmp_path):
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "campaign.json").write_text("{not json")
+    response = TestClient(create_dashboard_app(tmp_path)).get("/campaigns/broken.json")
+    assert response.status_code == 500 and response.json()["error"]["reasons"] == ["unreadable_run"]
+    assert "campaign.json" in response.json()["error"]["message"]
+
+
 def test_a_campaign_under_way(client):
     data = client.get(f"/campaigns/{WIP}.json").json()
     assert [(r["seed"], r["status"], r["steps"]) for r in data["runs"]] == [(0, "done", 6), (1, "running", 3),

@@ -97,21 +97,22 @@ class CampaignPage(Record):
 
 def _campaign_dirs(runs_dir: Path) -> dict[str, Path]:
     """Campaign directories (holding campaign.json) under `runs_dir`, by name; the shallowest wins."""
-    found: dict[str, Path] = {}
+    found: dict[str, tuple[int, str, Path]] = {}
     if not runs_dir.is_dir():
-        return found
+        return {}
     base = len(runs_dir.parts)
     for root, dirs, files in os.walk(runs_dir):
         path = Path(root)
         depth = len(path.parts) - base
         if CAMPAIGN_FILE in files:
-            found.setdefault(path.name if depth else runs_dir.resolve().name, path)
+            name = path.name if depth else runs_dir.resolve().name
+            found[name] = min(found.get(name, (depth, str(path), path)), (depth, str(path), path))
         # A run directory or a campaign's runs/ holds no further campaigns worth the walk.
         if depth >= SEARCH_DEPTH or "metrics.jsonl" in files or CAMPAIGN_FILE in files:
             dirs[:] = []
         else:
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    return found
+    return {name: path for name, (_, _, path) in found.items()}
 
 
 class Campaigns:

@@ -122,9 +122,11 @@ class Campaigns:
         self.runs_dir = Path(runs_dir)
 
     def ids(self) -> list[str]:
+        """Every campaign's id (its directory's name), sorted."""
         return sorted(_campaign_dirs(self.runs_dir))
 
     def campaign_dir(self, campaign_id: str) -> Path:
+        """The directory of `campaign_id`; a typed 404 when no campaign has that name."""
         path = _campaign_dirs(self.runs_dir).get(campaign_id)
         if path is None:
             raise DashboardError(Missing.campaign, f"no campaign {campaign_id!r} under {self.runs_dir}",
@@ -168,6 +170,7 @@ class Campaigns:
 
 
 def _number(value: Any) -> float | None:
+    """A finite number as float; None for null, text, booleans and NaN/inf (no point on a curve)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
@@ -199,6 +202,8 @@ def _curve(runs: list, metric: str) -> list[CurvePoint]:
 
 
 def _runs(path: Path, manifest: dict, campaign, metrics: list[str]) -> list[CampaignRun]:
+    """The manifest's runs in its order, including those with no data yet (pending, or started
+    without a metrics row)."""
     loaded = {(r.condition, r.seed): r for runs in campaign.runs.values() for r in runs}
     out = []
     for entry in manifest.get("runs") or []:
@@ -223,6 +228,7 @@ def _runs(path: Path, manifest: dict, campaign, metrics: list[str]) -> list[Camp
 
 
 def _stats(report) -> StatsTable:
+    """`report()`'s JSON, or the StatsError it raised: the page shows why stats cannot decide."""
     from ..research.stats import StatsError, report_dict
 
     try:

@@ -215,7 +215,12 @@ def test_metric_chooser_and_typed_errors(client, numbers):
     base = data["curves"][0]["conditions"][0]["points"]
     assert [(p["step"], p["mean"]) for p in base] == [(e[0], pytest.approx(e[2])) for e in
                                                       expected_curve(numbers, "base", "eval/accuracy/mean")]
-    assert 'option value="loss" selected' in client.get(f"/campaigns/{CAMPAIGN}?metric=loss").text
+    chosen = client.get(f"/campaigns/{CAMPAIGN}?metric=loss&metric=eval/accuracy/mean").text
+    assert 'option value="loss" selected' in chosen
+    href = re.search(r'href="([^"]*)" data-testid="json-twin"', chosen).group(1).replace("&amp;", "&")
+    twin = urljoin(f"/campaigns/{CAMPAIGN}", href)
+    assert twin == f"/campaigns/{CAMPAIGN}.json?metric=loss&metric=eval%2Faccuracy%2Fmean"
+    assert [c["metric"] for c in client.get(twin).json()["curves"]] == ["loss", "eval/accuracy/mean"]
     for url, reason in ((f"/campaigns/{CAMPAIGN}?metric=reload_quorum", "unknown_metric"),
                         (f"/campaigns/{CAMPAIGN}?metric=nope", "unknown_metric"),
                         ("/campaigns/nope", "unknown_campaign"), (f"/campaigns/{CAMPAIGN[:-1]}", "unknown_campaign")):

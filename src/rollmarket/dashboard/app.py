@@ -92,7 +92,7 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
 
     @app.get("/campaigns/{campaign_id}", response_class=HTMLResponse)
     def campaign(campaign_id: str, metric: list[str] | None = Query(default=None)) -> HTMLResponse:
-        return html("campaign.html", campaigns.page(campaign_id, metric), Page.campaign(campaign_id))
+        return html("campaign.html", campaigns.page(campaign_id, metric), Page.campaign(campaign_id, metric))
 
     # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
     @app.get("/runs/{run_id}.json")

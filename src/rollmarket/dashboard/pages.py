@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
@@ -34,6 +34,8 @@ class Page:
     """The run's id; for a campaign page, the campaign's."""
     ref: TrajectoryRef | None = None
     asset: str | None = None
+    query: str | None = None
+    """A campaign page's chosen metrics (`metric=…&metric=…`), kept in its server path and twin link."""
 
     @classmethod
     def index(cls) -> Page:
@@ -56,8 +58,8 @@ class Page:
         return cls("train", run_id=run_id)
 
     @classmethod
-    def campaign(cls, campaign_id: str) -> Page:
-        return cls("campaign", run_id=campaign_id)
+    def campaign(cls, campaign_id: str, metrics: list[str] | None = None) -> Page:
+        return cls("campaign", run_id=campaign_id, query=urlencode([("metric", m) for m in metrics or []]) or None)
 
     @classmethod
     def questions(cls) -> Page:
@@ -78,7 +80,7 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
     if page.kind == "train":
         return f"/train/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "campaign":
-        return f"/campaigns/{quote(page.run_id, safe='')}{ext}"
+        return f"/campaigns/{quote(page.run_id, safe='')}{ext}" + (f"?{page.query}" if page.query else "")
     if page.kind == "run":
         return f"/runs/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "trajectory":

@@ -282,8 +282,8 @@ def test_static_export_links_resolve(runs_dir, tmp_path):
     assert result.exit_code == 0, result.output
     html_files = list(out.rglob("*.html"))
     # 2 runs x 3 rollout engines x 31 viewer lines x 2 trainers, + 2 runs x 2 divergences x 2 sides x 2
-    # trainers side by side, + index, metrics and 2 run pages.
-    assert len(html_files) == 2 * 3 * 31 * 2 + 2 * 2 * 2 * 2 + 4
+    # trainers side by side, + index, metrics, questions and 2 run pages.
+    assert len(html_files) == 2 * 3 * 31 * 2 + 2 * 2 * 2 * 2 + 5
     for page in html_files:
         assert page.with_suffix(".json").is_file(), page
         for target in re.findall(r"(?:src|href)=\"([^\"]*)\"", page.read_text()):

@@ -31,7 +31,8 @@ def dashboard(runs_dir: Path, host: str, port: int, static_dir: Path | None, log
         with console.status(f"exporting {runs_dir} to {static_dir}"):
             summary = export_static(runs_dir, static_dir)
         console.print(f"wrote {summary.pages} pages ({summary.training} training runs, {summary.runs} observatory runs, "
-                      f"{summary.trajectories} trajectory pages, {summary.rollout_pages} rollouts pages) "
+                      f"{summary.campaigns} campaigns, {summary.trajectories} trajectory pages, "
+                      f"{summary.rollout_pages} rollouts pages) "
                       f"to [bold]{static_dir}[/]; open {(static_dir / 'index.html').resolve().as_uri()}",
                       highlight=False)
         return

@@ -9,6 +9,8 @@
     /train/<run_id>/rollouts.csv                the filtered table as CSV
     /train/<run_id>/rollouts/<row>              one generation's turns, tool output and tokens
     /metrics                                    what every number means
+    /campaigns/<campaign_id>                    curves over seeds with 95% bands, runs, verdicts; ?metric=KEY…
+    /questions                                  the research agenda's open questions, answered or open
     /healthz                                    liveness
 """
 
@@ -17,18 +19,20 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
 from ..contracts import Record
 from ..contracts.errors import ErrorBody, ErrorCode, ErrorDetail
+from .campaigns import Campaigns
 from .data import DashboardError, Missing, Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
 from .runs import RunIndex, index_page
 from .training import TrainingRuns, parse_after
 from .rollouts import bad_parameter, generation_page, parse_query, rollouts_csv, rollouts_page
+from .questions import questions_page
 
 
 def _json(record: Record) -> Response:
@@ -70,6 +74,7 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     runs = Runs(Path(runs_dir))
     index = RunIndex(Path(runs_dir), observatory_ids=runs.run_ids)
     training = TrainingRuns(index)
+    campaigns = Campaigns(Path(runs_dir))
     renderer = Renderer()
     app = FastAPI(title="rollmarket observatory dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = runs
@@ -124,6 +129,22 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     @app.get("/metrics", response_class=HTMLResponse)
     def metrics() -> HTMLResponse:
         return html("metrics.html", metrics_page(), Page.metrics())
+
+    @app.get("/questions.json")
+    def questions_json() -> Response:
+        return _json(questions_page(campaigns))
+
+    @app.get("/questions", response_class=HTMLResponse)
+    def questions() -> HTMLResponse:
+        return html("questions.html", questions_page(campaigns), Page.questions())
+
+    @app.get("/campaigns/{campaign_id}.json")
+    def campaign_json(campaign_id: str, metric: list[str] | None = Query(default=None)) -> Response:
+        return _json(campaigns.page(campaign_id, metric))
+
+    @app.get("/campaigns/{campaign_id}", response_class=HTMLResponse)
+    def campaign(campaign_id: str, metric: list[str] | None = Query(default=None)) -> HTMLResponse:
+        return html("campaign.html", campaigns.page(campaign_id, metric), Page.campaign(campaign_id, metric))
 
     # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
     @app.get("/runs/{run_id}.json")

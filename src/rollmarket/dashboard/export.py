@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from ..contracts import Record
+from .campaigns import Campaigns
 from .data import Runs, TrajectoryRef
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
@@ -14,6 +15,7 @@ from .runs import RunIndex, RunKind, index_page
 from .training import TrainingRuns
 from .rollouts import (EXPORT_PAGES, RolloutQuery, generation_page, rollouts_csv, rollouts_page,
                        training_runs)
+from .questions import questions_page
 
 
 class ExportSummary(Record):
@@ -25,6 +27,7 @@ class ExportSummary(Record):
     """Training (and demo) runs' curve pages."""
     rollout_pages: int = 0
     """Pages of training runs' rollouts tables (the first EXPORT_PAGES of each, with their rows' pages)."""
+    campaigns: int = 0
 
 
 def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
@@ -35,12 +38,16 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     Trajectory pages: every trajectory of every viewer file once per trainer engine, and the
     side-by-side pages of each divergence, from either engine's side, once per trainer."""
     runs = Runs(Path(runs_dir))
+    campaigns = Campaigns(Path(runs_dir))
     out = Path(out_dir)
     index = runs.index_page()
     run_index = RunIndex(Path(runs_dir), observatory_ids=runs.run_ids)
     every = index_page(run_index, index)
     pages: list[tuple[Page, str, Record]] = [(Page.index(), "index.html", every),
-                                             (Page.metrics(), "metrics.html", metrics_page())]
+                                             (Page.metrics(), "metrics.html", metrics_page()),
+                                             (Page.questions(), "questions.html", questions_page(campaigns))]
+    # Campaign pages with their default curves (the metric chooser needs the server).
+    campaign_pages = [(Page.campaign(c), "campaign.html", campaigns.page(c)) for c in campaigns.ids()]
     trajectories: list[TrajectoryRef] = []
     for summary in index.runs:
         if summary.error:
@@ -58,7 +65,7 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     # Training pages carry their metrics inline: from file:// a page cannot fetch its twin.
     training = TrainingRuns(run_index)
     trained = [e.run_id for e in every.entries if e.kind in (RunKind.train, RunKind.demo) and not e.error]
-    observatory_pages = len(pages) - 2
+    observatory_pages = len(pages) - 3
     pages += [(Page.train(run_id), "train.html", training.page(run_id)) for run_id in trained]
     # Rollouts: each training run's first EXPORT_PAGES table pages in file order, each of their rows'
     # generation pages, and the whole table as CSV (a filtered page needs the server).
@@ -74,7 +81,7 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
             if number >= table.pages:
                 break
         csvs.append((Page.rollouts(run_id, csv=True), run_id))
-    pages += tables
+    pages += tables + campaign_pages
     exported = ({file_path(p) for p, _, _ in pages} | {file_path(Page.trajectory(r)) for r in trajectories}
                 | {file_path(p) for p, _ in csvs})
 
@@ -99,4 +106,5 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
     return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=observatory_pages,
-                         trajectories=len(trajectories), training=len(trained), rollout_pages=len(tables))
+                         trajectories=len(trajectories), training=len(trained), rollout_pages=len(tables),
+                         campaigns=len(campaign_pages))

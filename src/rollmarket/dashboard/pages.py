@@ -29,12 +29,14 @@ class Page:
 
     kind: str
     """index, run, trajectory, metrics, train, train-metrics, rollouts, rollouts_csv, generation, campaign,
-    static, or raw (a server path as requested, for error pages)."""
+    questions, static, or raw (a server path as requested, for error pages)."""
     run_id: str | None = None
+    """The run's id; for a campaign page, the campaign's."""
     ref: TrajectoryRef | None = None
     asset: str | None = None
     query: str | None = None
-    """The query string a served page was asked with (its twin keeps it); a static export has none."""
+    """The query string a served page was asked with (its twin keeps it; a campaign page's chosen
+    metrics, `metric=…&metric=…`); a static export has none."""
     params: tuple[tuple[str, str], ...] = ()
     """A rollouts table's non-default query parameters, sorted."""
     row: int | None = None
@@ -73,8 +75,12 @@ class Page:
         return cls("generation", run_id=run_id, row=row)
 
     @classmethod
-    def campaign(cls, campaign_id: str) -> Page:
-        return cls("campaign", run_id=campaign_id)
+    def campaign(cls, campaign_id: str, metrics: list[str] | None = None) -> Page:
+        return cls("campaign", run_id=campaign_id, query=urlencode([("metric", m) for m in metrics or []]) or None)
+
+    @classmethod
+    def questions(cls) -> Page:
+        return cls("questions")
 
     @classmethod
     def static(cls, asset: str) -> Page:
@@ -92,9 +98,9 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
     if page.kind == "train-metrics":
         return f"/train/{quote(page.run_id, safe='')}/metrics.json"
     if page.kind == "campaign":
-        return f"/campaigns/{quote(page.run_id, safe='')}{ext}"
-    if page.kind == "metrics":
-        return f"/metrics{ext}"
+        return f"/campaigns/{quote(page.run_id, safe='')}{ext}{query}"
+    if page.kind in ("metrics", "questions"):
+        return f"/{page.kind}{ext}"
     if page.kind == "run":
         return f"/runs/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "trajectory":
@@ -117,7 +123,7 @@ def slug(name: str) -> str:
 def file_path(page: Page, *, json_twin: bool = False) -> str:
     """The page's file in a static export, relative to its root."""
     ext = ".json" if json_twin else ".html"
-    if page.kind in ("index", "metrics"):
+    if page.kind in ("index", "metrics", "questions"):
         return page.kind + ext
     if page.kind == "run":
         return f"runs/{slug(page.run_id)}{ext}"
@@ -193,12 +199,16 @@ class Linker:
         return self.href(Page.train_metrics(run_id))
 
     def campaign(self, campaign_id: str) -> str | None:
+        """A campaign's page; None where a static export did not write it."""
         page = Page.campaign(campaign_id)
         return self.href(page) if self.has(page) else None
 
     def observatory(self, run_id: str) -> str | None:
         page = Page.run(run_id)
         return self.href(page) if self.has(page) else None
+
+    def questions(self) -> str:
+        return self.href(Page.questions())
 
     def trajectory(self, ref: TrajectoryRef, *, trainer: str | None = None, compare: str | None | bool = False,
                    fragment: str | None = None) -> str | None:

@@ -4,6 +4,7 @@
     /runs/<run_id>                              matrices, worst token, length scaling, divergence
     /runs/<run_id>/trajectory/<rollout>/<id>    the viewer; ?trainer=<engine>&compare=<rollout engine>
     /metrics                                    what every number means
+    /market                                     the exchange's marketplace; ?run=<id>: a run's exchange.db
     /healthz                                    liveness
 """
 
@@ -18,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from ..contracts import Record
 from ..contracts.errors import ErrorBody, ErrorCode, ErrorDetail
 from .data import DashboardError, Missing, Runs, TrajectoryRef
+from .market import MarketSource, market_page
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
 
@@ -27,13 +29,15 @@ def _json(record: Record) -> Response:
 
 
 def _error_body(exc: DashboardError) -> ErrorBody:
-    code = ErrorCode.internal if exc.missing is Missing.unreadable_run else ErrorCode.not_found
+    code = getattr(exc, "code", None) or (
+        ErrorCode.internal if exc.missing is Missing.unreadable_run else ErrorCode.not_found)
     details = {k: v for k, v in exc.details.items() if v is not None}
     return ErrorBody(error=ErrorDetail(code=code, message=exc.message, reasons=[exc.missing.value], details=details))
 
 
-def create_dashboard_app(runs_dir: Path) -> FastAPI:
-    """The dashboard over every observatory run under `runs_dir` (read on each request)."""
+def create_dashboard_app(runs_dir: Path, market: MarketSource | None = None) -> FastAPI:
+    """The dashboard over every observatory run under `runs_dir` (read on each request); `market`
+    is the exchange (or its database file) the /market page shows."""
     runs = Runs(Path(runs_dir))
     renderer = Renderer()
     app = FastAPI(title="rollmarket observatory dashboard", docs_url=None, redoc_url=None, openapi_url=None)
@@ -72,6 +76,14 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     @app.get("/metrics", response_class=HTMLResponse)
     def metrics() -> HTMLResponse:
         return html("metrics.html", metrics_page(), Page.metrics())
+
+    @app.get("/market.json")
+    def market_json(run: str | None = None) -> Response:
+        return _json(market_page(market, runs.runs_dir, run))
+
+    @app.get("/market", response_class=HTMLResponse)
+    def market_html(run: str | None = None) -> HTMLResponse:
+        return html("market.html", market_page(market, runs.runs_dir, run), Page.market(run))
 
     # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
     @app.get("/runs/{run_id}.json")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..contracts import Record
 from .data import Runs, TrajectoryRef
+from .market import MarketPage, db_report
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
 
@@ -19,8 +20,9 @@ class ExportSummary(Record):
     trajectories: int
 
 
-def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
-    """Write the whole dashboard of `runs_dir` into `out_dir` (replacing what the export owns there).
+def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = None) -> ExportSummary:
+    """Write the whole dashboard of `runs_dir` into `out_dir` (replacing what the export owns there);
+    with `exchange_db`, its marketplace page too (a snapshot: the exported page does not refresh).
 
     Trajectory pages: every trajectory of every viewer file once per trainer engine, and the
     side-by-side pages of each divergence, from either engine's side, once per trainer."""
@@ -29,6 +31,9 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     index = runs.index_page()
     pages: list[tuple[Page, str, Record]] = [(Page.index(), "index.html", index),
                                              (Page.metrics(), "metrics.html", metrics_page())]
+    if exchange_db is not None:
+        market = MarketPage(source="db", where=str(exchange_db), refresh_s=0, report=db_report(exchange_db))
+        pages.append((Page.market(), "market.html", market))
     trajectories: list[TrajectoryRef] = []
     for summary in index.runs:
         if summary.error:
@@ -62,5 +67,6 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
         record = runs.trajectory_page(ref.run_id, ref.rollout_engine, ref.trajectory_id, trainer=ref.trainer_engine,
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
-    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=len(pages) - 2,
+    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories),
+                         runs=sum(1 for p, _, _ in pages if p.kind == "run"),
                          trajectories=len(trajectories))

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined, select_autoescape
 
@@ -28,7 +28,7 @@ class Page:
     """One page of the dashboard, independent of whether a server or a folder of files serves it."""
 
     kind: str
-    """index, run, trajectory, metrics, static, or raw (a server path as requested, for error pages)."""
+    """index, run, trajectory, metrics, market, static, or raw (a server path as requested, for error pages)."""
     run_id: str | None = None
     ref: TrajectoryRef | None = None
     asset: str | None = None
@@ -50,6 +50,11 @@ class Page:
         return cls("trajectory", run_id=ref.run_id, ref=ref)
 
     @classmethod
+    def market(cls, run_id: str | None = None) -> Page:
+        """The marketplace: the dashboard's exchange, or with `run_id` that training run's exchange.db."""
+        return cls("market", run_id=run_id)
+
+    @classmethod
     def static(cls, asset: str) -> Page:
         return cls("static", asset=asset)
 
@@ -65,6 +70,8 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
         return f"/runs/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "trajectory":
         return trajectory_path(page.ref, json_twin=json_twin)
+    if page.kind == "market":
+        return f"/market{ext}" + (f"?{urlencode({'run': page.run_id})}" if page.run_id else "")
     if page.kind == "raw":
         return page.asset + ("" if not json_twin or page.asset.endswith(".json") else ".json")
     return f"/static/{page.asset}"
@@ -80,6 +87,8 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
     ext = ".json" if json_twin else ".html"
     if page.kind in ("index", "metrics"):
         return page.kind + ext
+    if page.kind == "market":
+        return f"market{ext}" if page.run_id is None else f"market/{slug(page.run_id)}{ext}"
     if page.kind == "run":
         return f"runs/{slug(page.run_id)}{ext}"
     if page.kind == "trajectory":
@@ -137,6 +146,11 @@ class Linker:
             changes["compare"] = compare
         page = Page.trajectory(ref.model_copy(update=changes) if changes else ref)
         return self.href(page, fragment=fragment) if self.has(page) else None
+
+    def market(self, run_id: str | None = None) -> str | None:
+        """A link to the marketplace; None in a static export that has none."""
+        page = Page.market(run_id)
+        return self.href(page) if self.has(page) else None
 
     def asset(self, name: str) -> str:
         return self.href(Page.static(name))

@@ -1,0 +1,191 @@
+"""The marketplace report (contracts.MarketReport) computed from an exchange's SQLite database.
+
+One function over a connection, so the running exchange (`GET /v1/market`, its own read
+connection) and the dashboard (a database file opened read-only) give the same numbers. It only
+reads; it needs nothing but the standard library and the contracts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from collections import Counter, defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..contracts import (
+    LagBin,
+    MarketBucket,
+    MarketReport,
+    MarketWorker,
+    ReloadLatency,
+    TrainerIdle,
+)
+
+MAX_BUCKETS = 40
+"""At most this many timeline buckets, whatever the exchange's age."""
+BUCKET_STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+"""Bucket widths a person reads easily; the smallest that keeps the timeline under MAX_BUCKETS wins."""
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, timezone.utc)
+
+
+def bucket_width(span_s: float) -> float:
+    """The narrowest readable width that covers `span_s` in at most MAX_BUCKETS buckets."""
+    for step in BUCKET_STEPS_S:
+        if span_s < step * MAX_BUCKETS:
+            return float(step)
+    return float(math.ceil(span_s / MAX_BUCKETS / 86400) * 86400)
+
+
+def open_readonly(path: Path) -> sqlite3.Connection:
+    """Open an exchange database without writing anything beside it.
+
+    A WAL-mode database opened read-only still creates (and leaves) its -wal and -shm files, so a
+    closed database (no -wal beside it) is opened as immutable: nothing is created. A database with
+    a -wal is live (or its exchange crashed): it is read through the existing WAL, which is current."""
+    path = Path(path).resolve()
+    live = path.with_name(path.name + "-wal").exists()
+    uri = path.as_uri() + ("?mode=ro" if live else "?mode=ro&immutable=1")
+    conn = sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False, isolation_level=None)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA query_only = 1")
+    return conn
+
+
+def _workers(conn: sqlite3.Connection) -> list[MarketWorker]:
+    leases = dict(conn.execute("SELECT worker_id, COUNT(*) FROM leases GROUP BY worker_id").fetchall())
+    stored = {r[0]: (r[1], r[2]) for r in conn.execute(
+        "SELECT worker_id, COUNT(*), COALESCE(SUM(n_tokens), 0) FROM groups GROUP BY worker_id")}
+    decisions: dict[str, dict[str, int]] = defaultdict(dict)
+    for worker_id, status, n in conn.execute(
+            "SELECT g.worker_id, d.status, COUNT(*) FROM decisions d JOIN groups g ON g.group_id = d.group_id"
+            " GROUP BY g.worker_id, d.status"):
+        decisions[worker_id][status] = n
+    workers = []
+    for row in conn.execute("SELECT * FROM workers ORDER BY worker_id"):
+        manifest = json.loads(row["manifest"])
+        accepted, tokens = stored.get(row["worker_id"], (0, 0))
+        workers.append(MarketWorker(
+            worker_id=row["worker_id"], status=row["status"], engine_name=manifest["engine_name"],
+            engine_version=manifest["engine_version"], device_type=manifest.get("device_type", "cpu"),
+            device_count=manifest.get("device_count", 1), region=manifest.get("region", "local"),
+            precision_classes=manifest["precision_classes"],
+            engine_fingerprint=row["loaded_fingerprint"] or manifest["engine_fingerprint"],
+            quality=row["quality"], price_hint=row["price"], leases=leases.get(row["worker_id"], 0),
+            active_leases=row["active_leases"], accepted=accepted, rejected=row["rejected_count"],
+            accepted_tokens=tokens, decisions=decisions.get(row["worker_id"], {}),
+        ))
+    return workers
+
+
+def _timeline(conn: sqlite3.Connection) -> tuple[float, list[MarketBucket]]:
+    """Decisions (by worker, arrival tier, status) and stored groups, bucketed by time."""
+    decided = conn.execute(
+        "SELECT d.decided_at, d.status, g.worker_id, json_extract(g.receipt, '$.tier') AS tier"
+        " FROM decisions d JOIN groups g ON g.group_id = d.group_id").fetchall()
+    arrived = conn.execute("SELECT received_at, n_tokens FROM groups").fetchall()
+    times = [r[0] for r in decided] + [r[0] for r in arrived]
+    if not times:
+        return 1.0, []
+    first, last = min(times), max(times)
+    width = bucket_width(last - first)
+    origin = math.floor(first / width) * width
+    count = int((last - origin) // width) + 1
+    by_worker = [Counter() for _ in range(count)]
+    by_tier = [Counter() for _ in range(count)]
+    by_status = [Counter() for _ in range(count)]
+    groups = [0] * count
+    tokens = [0] * count
+
+    def index(at: float) -> int:
+        return min(int((at - origin) // width), count - 1)
+
+    for at, status, worker_id, tier in decided:
+        i = index(at)
+        by_worker[i][worker_id] += 1
+        by_tier[i][tier] += 1
+        by_status[i][status] += 1
+    for at, n_tokens in arrived:
+        i = index(at)
+        groups[i] += 1
+        tokens[i] += n_tokens
+    return width, [
+        MarketBucket(start=_utc(origin + i * width), by_worker=dict(by_worker[i]), by_tier=dict(by_tier[i]),
+                     by_status=dict(by_status[i]), accepted_groups=groups[i], accepted_tokens=tokens[i])
+        for i in range(count)
+    ]
+
+
+def _rejections(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int]]:
+    at_submission: Counter = Counter()
+    for (data,) in conn.execute("SELECT data FROM audit WHERE kind = 'submission.rejected'"):
+        at_submission.update(json.loads(data).get("reasons", []))
+    at_gate: Counter = Counter()
+    for (body,) in conn.execute("SELECT body FROM decisions"):
+        at_gate.update(json.loads(body).get("rejection_reasons", []))
+    return dict(at_submission), dict(at_gate)
+
+
+def _trainers(conn: sqlite3.Connection) -> list[TrainerIdle]:
+    served = conn.execute("SELECT trainer_id, group_id, MIN(first_at), MAX(last_at) FROM served"
+                          " GROUP BY trainer_id, group_id").fetchall()
+    decided = {(r[0], r[1]): r[2] for r in conn.execute(
+        "SELECT trainer_id, group_id, MIN(decided_at) FROM decisions GROUP BY trainer_id, group_id")}
+    last_decision = dict(conn.execute("SELECT trainer_id, MAX(decided_at) FROM decisions GROUP BY trainer_id"))
+    per_trainer: dict[str, list[tuple[float, float | None, float]]] = defaultdict(list)
+    for trainer_id, group_id, first_at, last_at in served:
+        per_trainer[trainer_id].append((first_at, decided.get((trainer_id, group_id)), last_at))
+    out = []
+    for trainer_id, rows in sorted(per_trainer.items()):
+        start = min(first for first, _, _ in rows)
+        end = max([last for _, _, last in rows] + [last_decision.get(trainer_id, start)])
+        intervals = sorted((first, end if done is None else max(first, done)) for first, done, _ in rows)
+        busy, cursor = 0.0, start
+        for lo, hi in intervals:  # length of the union of the busy intervals
+            lo = max(lo, cursor)
+            if hi > lo:
+                busy += hi - lo
+                cursor = hi
+        span = end - start
+        out.append(TrainerIdle(trainer_id=trainer_id, groups=len(rows), span_s=span, busy_s=busy,
+                               idle_fraction=None if span <= 0 else max(0.0, 1.0 - busy / span)))
+    return out
+
+
+def market_report(conn: sqlite3.Connection, now: float) -> MarketReport:
+    """The marketplace as the database holds it at `now` (POSIX seconds), from one snapshot."""
+    conn.execute("BEGIN")  # every query below sees the same state, even while the exchange writes
+    try:
+        return _report(conn, now)
+    finally:
+        conn.execute("ROLLBACK")
+
+
+def _report(conn: sqlite3.Connection, now: float) -> MarketReport:
+    active, published = conn.execute("SELECT active_version, published_version FROM pool WHERE id = 1").fetchone()
+    width, timeline = _timeline(conn)
+    submission, gate = _rejections(conn)
+    lags = dict(conn.execute("SELECT lag_at_arrival, COUNT(*) FROM groups GROUP BY lag_at_arrival").fetchall())
+    acks = [ReloadLatency(worker_id=r[0], policy_version=r[1], seconds=r[2]) for r in conn.execute(
+        "SELECT a.worker_id, a.policy_version, a.acked_at - p.published_at FROM reload_acks a"
+        " JOIN policies p ON p.version = a.policy_version ORDER BY a.acked_at, a.worker_id")]
+    groups, tokens, first, last = conn.execute(
+        "SELECT COUNT(*), COALESCE(SUM(n_tokens), 0), MIN(received_at), MAX(received_at) FROM groups").fetchone()
+    span = 0.0 if groups == 0 else last - first
+    decisions = dict(conn.execute("SELECT status, COUNT(*) FROM decisions GROUP BY status").fetchall())
+    return MarketReport(
+        generated_at=_utc(now), active_version=active, published_version=published, workers=_workers(conn),
+        decisions=decisions, bucket_s=width, timeline=timeline, submission_rejections=submission,
+        gate_rejections=gate,
+        lag_histogram=[LagBin(lag=lag, groups=lags.get(lag, 0)) for lag in range(max(lags, default=-1) + 1)],
+        reload_acks=acks,
+        reload_latency_mean_s=sum(a.seconds for a in acks) / len(acks) if acks else None,
+        reload_latency_max_s=max((a.seconds for a in acks), default=None),
+        accepted_groups=groups, accepted_tokens=tokens, accepted_span_s=span,
+        accepted_tokens_per_s=tokens / span if groups >= 2 and span > 0 else None,
+        trainers=_trainers(conn),
+    )

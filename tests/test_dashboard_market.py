@@ -370,3 +370,10 @@ def test_the_static_export_opens_from_files(market, browser, tmp_path):
         assert [u for u in requests if not u.startswith("file://")] == []
     finally:
         context.close()
+
+
+def test_every_marketplace_error_is_documented():
+    from rollmarket.dashboard.market import MarketMissing
+
+    doc = (ROOT / "docs" / "observatory.md").read_text().split("\n## Dashboard\n", 1)[1]
+    assert not [m.value for m in MarketMissing if f"`{m.value}`" not in doc]

@@ -10,7 +10,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import Identifier, Record, UtcDatetime
-from .limits import MAX_NAMES, Count, Key, Name, Version
+from .limits import MAX_ITEMS, MAX_NAMES, Count, Key, Name, Version
+
+MAX_BUCKETS = 40
+"""At most this many timeline buckets (one more when the first event falls late in its bucket)."""
 
 
 class MarketWorker(Record):
@@ -32,16 +35,16 @@ class MarketWorker(Record):
     accepted: Count = Field(description="Groups the exchange stored from it.")
     rejected: Count = Field(description="Submissions the exchange refused from it.")
     accepted_tokens: Count = Field(description="Response tokens in its stored groups.")
-    decisions: dict[Name, Count] = Field(description="The trainer's decisions on its groups, by status.")
+    decisions: dict[Name, Count] = Field(max_length=MAX_NAMES, description="The trainer's decisions on its groups, by status.")
 
 
 class MarketBucket(Record):
     """One time bucket: decisions made in it, by worker, by arrival tier and by status, and what arrived."""
 
     start: UtcDatetime
-    by_worker: dict[Identifier, Count]
-    by_tier: dict[Name, Count] = Field(description="By the tier the group arrived in (fresh, replay, quarantine).")
-    by_status: dict[Name, Count]
+    by_worker: dict[Identifier, Count] = Field(max_length=MAX_ITEMS)
+    by_tier: dict[Name, Count] = Field(max_length=MAX_NAMES, description="By the tier the group arrived in (fresh, replay, quarantine).")
+    by_status: dict[Name, Count] = Field(max_length=MAX_NAMES)
     accepted_groups: Count = Field(description="Groups stored in this bucket.")
     accepted_tokens: Count = Field(description="Response tokens of the groups stored in this bucket.")
 
@@ -76,21 +79,25 @@ class MarketReport(Record):
     generated_at: UtcDatetime
     active_version: Version | None
     published_version: Version | None
-    workers: list[MarketWorker]
-    decisions: dict[Name, Count] = Field(description="Every trainer decision, by status.")
+    workers: list[MarketWorker] = Field(max_length=MAX_ITEMS)
+    decisions: dict[Name, Count] = Field(max_length=MAX_NAMES, description="Every trainer decision, by status.")
     bucket_s: float = Field(description="Width of each timeline bucket in seconds.")
-    timeline: list[MarketBucket] = Field(description="Oldest first; every bucket from the first event to the last.")
+    timeline: list[MarketBucket] = Field(max_length=MAX_BUCKETS + 1, description="Oldest first; every bucket from the first event to the last.")
     submission_rejections: dict[Name, Count] = Field(
+        max_length=MAX_NAMES,
         description="Why the exchange refused submissions (RejectionReason values; one submission may count "
                     "under several).")
     gate_rejections: dict[Name, Count] = Field(
+        max_length=MAX_NAMES,
         description="Rejection reasons in the trainer's decisions (its gate's findings).")
-    lag_histogram: list[LagBin] = Field(description="Stored groups by policy lag at arrival, every lag from 0.")
-    reload_acks: list[ReloadLatency]
-    reload_latency_mean_s: float | None
-    reload_latency_max_s: float | None
+    lag_histogram: list[LagBin] = Field(
+        max_length=MAX_ITEMS, description="Stored groups by policy lag at arrival, every lag from 0; the last bin "
+                                          "also holds every larger lag.")
+    reload_acks: list[ReloadLatency] = Field(max_length=MAX_ITEMS, description="The newest acks, oldest first.")
+    reload_latency_mean_s: float | None = Field(description="Over every ack.")
+    reload_latency_max_s: float | None = Field(description="Over every ack.")
     accepted_groups: Count
     accepted_tokens: Count
     accepted_span_s: float = Field(description="From the first stored group to the last.")
     accepted_tokens_per_s: float | None = Field(description="accepted_tokens / accepted_span_s; None under 2 groups.")
-    trainers: list[TrainerIdle]
+    trainers: list[TrainerIdle] = Field(max_length=MAX_ITEMS)

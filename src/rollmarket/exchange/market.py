@@ -22,9 +22,9 @@ from ..contracts import (
     ReloadLatency,
     TrainerIdle,
 )
+from ..contracts.limits import MAX_ITEMS
+from ..contracts.market import MAX_BUCKETS
 
-MAX_BUCKETS = 40
-"""At most this many timeline buckets, whatever the exchange's age."""
 BUCKET_STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 """Bucket widths a person reads easily; the smallest that keeps the timeline under MAX_BUCKETS wins."""
 
@@ -173,6 +173,10 @@ def _report(conn: sqlite3.Connection, now: float) -> MarketReport:
     acks = [ReloadLatency(worker_id=r[0], policy_version=r[1], seconds=r[2]) for r in conn.execute(
         "SELECT a.worker_id, a.policy_version, a.acked_at - p.published_at FROM reload_acks a"
         " JOIN policies p ON p.version = a.policy_version ORDER BY a.acked_at, a.worker_id")]
+    top = MAX_ITEMS - 1  # the histogram's last bin holds every larger lag
+    lag_bins = Counter({min(lag, top): 0 for lag in lags})
+    for lag, n in lags.items():
+        lag_bins[min(lag, top)] += n
     groups, tokens, first, last = conn.execute(
         "SELECT COUNT(*), COALESCE(SUM(n_tokens), 0), MIN(received_at), MAX(received_at) FROM groups").fetchone()
     span = 0.0 if groups == 0 else last - first
@@ -181,8 +185,8 @@ def _report(conn: sqlite3.Connection, now: float) -> MarketReport:
         generated_at=_utc(now), active_version=active, published_version=published, workers=_workers(conn),
         decisions=decisions, bucket_s=width, timeline=timeline, submission_rejections=submission,
         gate_rejections=gate,
-        lag_histogram=[LagBin(lag=lag, groups=lags.get(lag, 0)) for lag in range(max(lags, default=-1) + 1)],
-        reload_acks=acks,
+        lag_histogram=[LagBin(lag=lag, groups=lag_bins[lag]) for lag in range(max(lag_bins, default=-1) + 1)],
+        reload_acks=acks[-MAX_ITEMS:],
         reload_latency_mean_s=sum(a.seconds for a in acks) / len(acks) if acks else None,
         reload_latency_max_s=max((a.seconds for a in acks), default=None),
         accepted_groups=groups, accepted_tokens=tokens, accepted_span_s=span,

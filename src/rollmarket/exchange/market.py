@@ -83,36 +83,32 @@ def _workers(conn: sqlite3.Connection) -> list[MarketWorker]:
 
 
 def _timeline(conn: sqlite3.Connection) -> tuple[float, list[MarketBucket]]:
-    """Decisions (by worker, arrival tier, status) and stored groups, bucketed by time."""
-    decided = conn.execute(
-        "SELECT d.decided_at, d.status, g.worker_id, json_extract(g.receipt, '$.tier') AS tier"
-        " FROM decisions d JOIN groups g ON g.group_id = d.group_id").fetchall()
-    arrived = conn.execute("SELECT received_at, n_tokens FROM groups").fetchall()
-    times = [r[0] for r in decided] + [r[0] for r in arrived]
-    if not times:
+    """Decisions (by worker, arrival tier, status) and stored groups, bucketed by time (in SQL)."""
+    first, last = conn.execute(
+        "SELECT MIN(t), MAX(t) FROM (SELECT MIN(decided_at) AS t FROM decisions UNION ALL"
+        " SELECT MAX(decided_at) FROM decisions UNION ALL SELECT MIN(received_at) FROM groups UNION ALL"
+        " SELECT MAX(received_at) FROM groups)").fetchone()
+    if first is None:
         return 1.0, []
-    first, last = min(times), max(times)
     width = bucket_width(last - first)
     origin = math.floor(first / width) * width
     count = int((last - origin) // width) + 1
+    at = {"origin": origin, "width": width, "top": count - 1}
+    bucket = "MIN(CAST(({} - :origin) / :width AS INTEGER), :top)"
     by_worker = [Counter() for _ in range(count)]
     by_tier = [Counter() for _ in range(count)]
     by_status = [Counter() for _ in range(count)]
-    groups = [0] * count
-    tokens = [0] * count
-
-    def index(at: float) -> int:
-        return min(int((at - origin) // width), count - 1)
-
-    for at, status, worker_id, tier in decided:
-        i = index(at)
-        by_worker[i][worker_id] += 1
-        by_tier[i][tier] += 1
-        by_status[i][status] += 1
-    for at, n_tokens in arrived:
-        i = index(at)
-        groups[i] += 1
-        tokens[i] += n_tokens
+    for i, worker_id, tier, status, n in conn.execute(
+            f"SELECT {bucket.format('d.decided_at')} AS i, g.worker_id, json_extract(g.receipt, '$.tier') AS tier,"
+            " d.status, COUNT(*) FROM decisions d JOIN groups g ON g.group_id = d.group_id"
+            " GROUP BY i, g.worker_id, tier, d.status", at):
+        by_worker[i][worker_id] += n
+        by_tier[i][tier] += n
+        by_status[i][status] += n
+    groups, tokens = [0] * count, [0] * count
+    for i, n, n_tokens in conn.execute(
+            f"SELECT {bucket.format('received_at')} AS i, COUNT(*), SUM(n_tokens) FROM groups GROUP BY i", at):
+        groups[i], tokens[i] = n, n_tokens
     return width, [
         MarketBucket(start=_utc(origin + i * width), by_worker=dict(by_worker[i]), by_tier=dict(by_tier[i]),
                      by_status=dict(by_status[i]), accepted_groups=groups[i], accepted_tokens=tokens[i])
@@ -121,32 +117,34 @@ def _timeline(conn: sqlite3.Connection) -> tuple[float, list[MarketBucket]]:
 
 
 def _rejections(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int]]:
-    at_submission: Counter = Counter()
-    for (data,) in conn.execute("SELECT data FROM audit WHERE kind = 'submission.rejected'"):
-        at_submission.update(json.loads(data).get("reasons", []))
-    at_gate: Counter = Counter()
-    for (body,) in conn.execute("SELECT body FROM decisions"):
-        at_gate.update(json.loads(body).get("rejection_reasons", []))
-    return dict(at_submission), dict(at_gate)
+    """Reason counts, counted in SQL: decision bodies are large and there may be many."""
+    at_submission = dict(conn.execute(
+        "SELECT r.value, COUNT(*) FROM audit a, json_each(a.data, '$.reasons') r"
+        " WHERE a.kind = 'submission.rejected' GROUP BY r.value").fetchall())
+    at_gate = dict(conn.execute(
+        "SELECT r.value, COUNT(*) FROM decisions d, json_each(d.body, '$.rejection_reasons') r"
+        " GROUP BY r.value").fetchall())
+    return at_submission, at_gate
 
 
 def _trainers(conn: sqlite3.Connection) -> list[TrainerIdle]:
-    served = conn.execute("SELECT trainer_id, group_id, MIN(first_at), MAX(last_at) FROM served"
-                          " GROUP BY trainer_id, group_id").fetchall()
-    decided = {(r[0], r[1]): r[2] for r in conn.execute(
-        "SELECT trainer_id, group_id, MIN(decided_at) FROM decisions GROUP BY trainer_id, group_id")}
-    last_decision = dict(conn.execute("SELECT trainer_id, MAX(decided_at) FROM decisions GROUP BY trainer_id"))
+    """Each trainer's groups as (first served, first decided or None, last served), in serving order."""
     per_trainer: dict[str, list[tuple[float, float | None, float]]] = defaultdict(list)
-    for trainer_id, group_id, first_at, last_at in served:
-        per_trainer[trainer_id].append((first_at, decided.get((trainer_id, group_id)), last_at))
+    for trainer_id, first_at, decided_at, last_at in conn.execute(
+            "WITH s AS (SELECT trainer_id, group_id, MIN(first_at) AS f, MAX(last_at) AS l FROM served"
+            " GROUP BY trainer_id, group_id),"
+            " d AS (SELECT trainer_id, group_id, MIN(decided_at) AS t FROM decisions GROUP BY trainer_id, group_id)"
+            " SELECT s.trainer_id, s.f, d.t, s.l FROM s LEFT JOIN d USING (trainer_id, group_id)"
+            " ORDER BY s.trainer_id, s.f"):
+        per_trainer[trainer_id].append((first_at, decided_at, last_at))
+    last_decision = dict(conn.execute("SELECT trainer_id, MAX(decided_at) FROM decisions GROUP BY trainer_id"))
     out = []
-    for trainer_id, rows in sorted(per_trainer.items()):
-        start = min(first for first, _, _ in rows)
-        end = max([last for _, _, last in rows] + [last_decision.get(trainer_id, start)])
-        intervals = sorted((first, end if done is None else max(first, done)) for first, done, _ in rows)
+    for trainer_id, rows in per_trainer.items():
+        start = rows[0][0]
+        end = max(max(last for _, _, last in rows), last_decision.get(trainer_id, start))
         busy, cursor = 0.0, start
-        for lo, hi in intervals:  # length of the union of the busy intervals
-            lo = max(lo, cursor)
+        for first, done, _ in rows:  # the length of the union of [first served, decided], in start order
+            lo, hi = max(first, cursor), end if done is None else max(first, done)
             if hi > lo:
                 busy += hi - lo
                 cursor = hi

@@ -46,6 +46,8 @@ def dashboard(runs_dir: Path, host: str, port: int, static_dir: Path | None, exc
         console.print(f"wrote {summary.pages} pages ({summary.runs} runs, {summary.trajectories} trajectory pages) "
                       f"to [bold]{static_dir}[/]; open {(static_dir / 'index.html').resolve().as_uri()}",
                       highlight=False)
+        if exchange_db is not None:
+            console.print(f"marketplace: {(static_dir / 'market.html').resolve().as_uri()}", highlight=False)
         return
     from ..localhost import claim_port
 

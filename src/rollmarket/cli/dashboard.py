@@ -30,8 +30,8 @@ console = Console(stderr=True)
 def dashboard(runs_dir: Path, host: str, port: int, static_dir: Path | None, exchange_url: str | None,
               trainer_token: str | None, exchange_db: Path | None, log_level: str) -> None:
     """The observatory dashboard: mismatch matrices, router matrix, worst token, length scaling,
-    agent divergence and a trajectory viewer; with --exchange or --exchange-db, the marketplace.
-    Every page has a .json twin (same path + .json)."""
+    agent divergence and a trajectory viewer. With --exchange or --exchange-db, the marketplace
+    too. Every page has a .json twin (same path + .json)."""
     if exchange_url and exchange_db:
         raise click.UsageError("give --exchange or --exchange-db, not both")
     if exchange_url and not trainer_token:

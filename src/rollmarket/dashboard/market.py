@@ -62,7 +62,8 @@ class MarketPage(Record):
                                     "(a training run's exchange.db).")
     where: str = Field(description="The exchange URL or the database path.")
     run_id: str | None = None
-    refresh_s: float = Field(description="How often the served page re-reads this twin (seconds).")
+    refresh_s: float = Field(description="How often the served page re-reads this twin (seconds); 0 in a static "
+                                         "export, which is a snapshot.")
     report: MarketReport
 
 

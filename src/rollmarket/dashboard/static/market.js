@@ -52,7 +52,7 @@
       options: {
         animation: false, responsive: false,
         scales: { x: { stacked: stacked }, y: { stacked: stacked, beginAtZero: true, title: { display: true, text: yTitle } } },
-        plugins: { legend: { display: datasets.length > 1 } },
+        plugins: { legend: { display: stacked || datasets.length > 1 } },  // a stack says what its colours are
       },
     });
   }

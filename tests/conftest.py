@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Training runs mirror to every installed tracker by default; under test W&B is off (as a user turns
+# it off, with W&B's own variable) so that each run does not start a wandb-core process. The tracker
+# tests ask for W&B by name, which starts it whatever this says.
+os.environ.setdefault("WANDB_MODE", "disabled")
 
 from helpers import ExchangeProcess  # noqa: E402
 

@@ -60,6 +60,8 @@ def test_demo_trains_through_the_exchange_with_a_drifting_worker_and_says_what_i
             assert got["lo"] == got["hi"] == np.mean(x)
     assert f"before {np.mean(before):.3f}" in text and "held-out sampled pass@1 (4 tasks × 2 samples" in text
     assert f"rollmarket dashboard --runs {tmp_path}" in text
+    board = run_dir / "tensorboard"  # mirrored by default (W&B is off under test: conftest)
+    assert f"tensorboard: tensorboard --logdir {board}" in text and board.is_dir()
 
     # What that command shows: the run in the index as a finished demo, and its page's held-out band
     # the same pass@1 and interval as the demo printed (the dashboard computes it without research/).
@@ -92,6 +94,7 @@ def test_demo_trains_through_the_exchange_with_a_drifting_worker_and_says_what_i
     resumed = CliRunner().invoke(main, ["train", "--resume", str(run_dir), "--local", "loop.steps=4", "eval.tasks=0",
                                         "rollout.precisions=['bf16']", "local.workers=['bf16']"])
     assert resumed.exit_code == 0, (resumed.output, resumed.exception)
+    assert f"tensorboard: tensorboard --logdir {board}" in resumed.output.replace("\n", "")  # the CLI says where
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     with sqlite3.connect(run_dir / "exchange.db") as db:

@@ -232,10 +232,14 @@ def test_async_mode_trains_on_groups_up_to_max_staleness(tmp_path):
     assert all(0 <= r["policy_lag/mean"] for r in metrics)
     assert "reload_quorum" not in metrics[-1]  # async does not wait for the quorum
     assert audit_counts(run_dir)["policy.published"] == 4
+    # No logging.trackers: every installed tracker mirrors the run (W&B is off under test: conftest).
+    tracked = json.loads((run_dir / "summary.json").read_text())["trackers"]
+    assert [t["tracker"] for t in tracked] == ["tensorboard"] and (run_dir / "tensorboard").is_dir()
 
 
 def test_tensorboard_mirrors_the_metrics_file(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
 
     run_dir = Trainer(config(tmp_path, "loop.steps=1", "rollout.precisions=['bf16']", "local.workers=['bf16']",
                              "eval.tasks=2", "logging.trackers=['tensorboard']"), local=True).run()
@@ -245,6 +249,15 @@ def test_tensorboard_mirrors_the_metrics_file(tmp_path):
     correct = events.Scalars("correct_rate")
     assert [e.step for e in correct] == [1] and correct[0].value == pytest.approx(last["correct_rate"])
     assert [e.step for e in events.Scalars("eval/accuracy/mean")] == [0, 1]
+    # The step's rollouts as one text table: a header, a rule and a line per generations.jsonl row.
+    generations = (run_dir / "generations.jsonl").read_text().splitlines()
+    (tag,) = [t for t in events.Tags()["tensors"] if t.startswith("rollouts")]
+    (text,) = events.Tensors(tag)
+    assert text.step == 1 and generations
+    assert len(tensor_util.make_ndarray(text.tensor_proto).item().decode().split("\n")) == 2 + len(generations)
+    board = run_dir / "tensorboard"
+    assert json.loads((run_dir / "summary.json").read_text())["trackers"] == [
+        {"tracker": "tensorboard", "path": str(board), "open": f"tensorboard --logdir {board}"}]
 
 
 def test_lora_run_publishes_merged_weights_that_workers_load(tmp_path):

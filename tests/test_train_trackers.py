@@ -18,6 +18,7 @@ from rollmarket.train.trackers import (
     TensorBoardTracker,
     TrackerUnavailable,
     WandbTracker,
+    installed_trackers,
     make_trackers,
 )
 
@@ -27,6 +28,15 @@ STEPS = [
     (2, {"loss": 0.875, "optim/lr": 0.0005, "reward/mean": None, "eval/acc": None}),
 ]
 CONFIG = {"seed": 0, "lr": 0.001, "model": "tiny"}
+GENERATIONS = [  # generations.jsonl rows, with a field the table leaves out (task_id)
+    {"step": 1, "task_id": "t0", "reward": 1.0, "prompt": "What is 2+2?", "response": "4 | four\nsure",
+     "decision": "train", "advantage": 0.5, "precision": "bf16", "worker_id": "w-bf16"},
+    {"step": 1, "task_id": "t1", "reward": 0.0, "prompt": "Name a prime.", "response": "nine",
+     "decision": "replay", "advantage": -0.5, "precision": "fp8", "worker_id": "w-fp8"},
+]
+TABLE_COLUMNS = ["step", "reward", "prompt", "response", "decision", "advantage", "precision", "worker"]
+TABLE_ROWS = [[1, 1.0, "What is 2+2?", "4 | four\nsure", "train", 0.5, "bf16", "w-bf16"],
+              [1, 0.0, "Name a prime.", "nine", "replay", -0.5, "fp8", "w-fp8"]]
 
 
 def expected_rows() -> dict[int, dict[str, float]]:
@@ -164,3 +174,63 @@ def test_missing_backend_says_how_to_install(tmp_path, monkeypatch, name, module
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     with pytest.raises(TrackerUnavailable, match=r"pip install 'rollmarket\[trackers\]'"):
         make_trackers([name], tmp_path, run_name="r", config={})
+
+
+def test_wandb_rollouts_are_a_table_and_where_says_how_to_sync(tmp_path, capfd):
+    import wandb
+
+    (tracker,) = make_trackers(["wandb"], tmp_path, run_name="rollouts", config={})
+    tracker.log_rollouts(GENERATIONS, step=1)
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.log_rollouts([], step=2)  # a step without rollouts logs no table
+    where = tracker.where()
+    tracker.close()
+    wandb.teardown()
+
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert where == {"tracker": "wandb", "path": str(run_dir), "open": f"wandb sync {run_dir}"}
+    (log_file,) = run_dir.glob("run-*.wandb")
+    logged = [{item_key(i).split(".", 1)[1]: json.loads(i.value_json) for i in r.history.item
+               if item_key(i).startswith("rollouts.")}
+              for r in read_wandb_records(log_file) if r.WhichOneof("record_type") == "history"]
+    logged = [row for row in logged if row]
+    assert len(logged) == 1 and logged[0]["_type"] == "table-file" and logged[0]["nrows"] == 2
+    # The table as wandb saved it with the run (what `wandb sync` uploads).
+    table = json.loads((run_dir / "files" / logged[0]["path"]).read_text())
+    assert table["columns"] == TABLE_COLUMNS and table["data"] == TABLE_ROWS
+    assert capfd.readouterr() == ("", "")
+
+
+def test_tensorboard_rollouts_are_text_and_where_says_how_to_open(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    (tracker,) = make_trackers(["tensorboard"], tmp_path, run_name="rollouts", config={})
+    tracker.log_rollouts(GENERATIONS, step=1)
+    assert tracker.where() == {"tracker": "tensorboard", "path": str(tmp_path / "tensorboard"),
+                               "open": f"tensorboard --logdir {tmp_path / 'tensorboard'}"}
+    tracker.close()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (tag,) = [t for t in events.Tags()["tensors"] if t.startswith("rollouts")]
+    (event,) = events.Tensors(tag)
+    text = tensor_util.make_ndarray(event.tensor_proto).item().decode()
+    assert event.step == 1
+    lines = text.splitlines()
+    assert lines[0] == "| " + " | ".join(TABLE_COLUMNS) + " |" and len(lines) == 2 + len(TABLE_ROWS)
+    assert lines[2] == "| 1 | 1.0 | What is 2+2? | 4 \\| four<br>sure | train | 0.5 | bf16 | w-bf16 |"
+    assert lines[3] == "| 1 | 0.0 | Name a prime. | nine | replay | -0.5 | fp8 | w-fp8 |"
+
+
+def test_every_installed_tracker_mirrors_by_default_unless_wandb_is_off(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert installed_trackers() == ["wandb", "tensorboard"]  # both are test extras
+    assert installed_trackers("disabled") == ["tensorboard"]
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert installed_trackers() == ["tensorboard"]
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert installed_trackers() == []

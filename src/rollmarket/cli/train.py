@@ -99,3 +99,5 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
     if line := accuracy_line(summary):
         console.print(line, highlight=False)
     console.print(f"metrics: {run_dir}/metrics.jsonl  generations: {run_dir}/generations.jsonl", highlight=False)
+    for tracker in summary.get("trackers", []):
+        console.print(f"{tracker['tracker']}: {tracker['open']}", highlight=False)

@@ -14,6 +14,7 @@ from ..contracts import (
     FetchResult,
     GroupDecision,
     JobView,
+    MarketReport,
     PolicyManifest,
     PoolStatus,
     ReportReceipt,
@@ -134,6 +135,10 @@ class TrainerClient:
 
     def workers(self) -> list[WorkerSummary]:
         return self.http.call("GET", "/v1/workers", answer=list[WorkerSummary], idempotent=True)
+
+    def market(self) -> MarketReport:
+        """The exchange's marketplace report (what the dashboard's /market page shows)."""
+        return self.http.call("GET", "/v1/market", answer=MarketReport, idempotent=True)
 
     def audit(self, *, since_seq: int = 0, kind: str | None = None, subject: str | None = None,
               limit: int = 500) -> AuditPage:

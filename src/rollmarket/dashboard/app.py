@@ -11,6 +11,7 @@
     /metrics                                    what every number means
     /campaigns/<campaign_id>                    curves over seeds with 95% bands, runs, verdicts; ?metric=KEY…
     /questions                                  the research agenda's open questions, answered or open
+    /market                                     the exchange's marketplace; ?run=<id>: a run's exchange.db
     /healthz                                    liveness
 """
 
@@ -27,6 +28,7 @@ from ..contracts import Record
 from ..contracts.errors import ErrorBody, ErrorCode, ErrorDetail
 from .campaigns import Campaigns
 from .data import DashboardError, Missing, Runs, TrajectoryRef
+from .market import MarketSource, market_page
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
 from .runs import RunIndex, index_page
@@ -40,8 +42,9 @@ def _json(record: Record) -> Response:
 
 
 def _error_body(exc: DashboardError) -> ErrorBody:
-    code = {Missing.unreadable_run: ErrorCode.internal, Missing.bad_query: ErrorCode.invalid_request}.get(
-        exc.missing, ErrorCode.not_found)
+    code = getattr(exc, "code", None) or {Missing.unreadable_run: ErrorCode.internal,
+                                           Missing.bad_query: ErrorCode.invalid_request}.get(exc.missing,
+                                                                                             ErrorCode.not_found)
     details = {k: v for k, v in exc.details.items() if v is not None}
     return ErrorBody(error=ErrorDetail(code=code, message=exc.message, reasons=[exc.missing.value], details=details))
 
@@ -69,8 +72,9 @@ class ServerTiming:
         await self.app(scope, receive, timed_send)
 
 
-def create_dashboard_app(runs_dir: Path) -> FastAPI:
-    """The dashboard over every run under `runs_dir` (read on each request)."""
+def create_dashboard_app(runs_dir: Path, market: MarketSource | None = None) -> FastAPI:
+    """The dashboard over every run under `runs_dir` (read on each request); `market` is the exchange
+    (or its database file) the /market page shows."""
     runs = Runs(Path(runs_dir))
     index = RunIndex(Path(runs_dir), observatory_ids=runs.run_ids)
     training = TrainingRuns(index)
@@ -145,6 +149,14 @@ def create_dashboard_app(runs_dir: Path) -> FastAPI:
     @app.get("/campaigns/{campaign_id}", response_class=HTMLResponse)
     def campaign(campaign_id: str, metric: list[str] | None = Query(default=None)) -> HTMLResponse:
         return html("campaign.html", campaigns.page(campaign_id, metric), Page.campaign(campaign_id, metric))
+
+    @app.get("/market.json")
+    def market_json(run: str | None = None) -> Response:
+        return _json(market_page(market, runs.runs_dir, run))
+
+    @app.get("/market", response_class=HTMLResponse)
+    def market_html(run: str | None = None) -> HTMLResponse:
+        return html("market.html", market_page(market, runs.runs_dir, run), Page.market(run))
 
     # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
     @app.get("/runs/{run_id}.json")

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..contracts import Record
 from .campaigns import Campaigns
 from .data import Runs, TrajectoryRef
+from .market import MarketPage, db_report
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
 from .runs import RunIndex, RunKind, index_page
@@ -30,8 +31,9 @@ class ExportSummary(Record):
     campaigns: int = 0
 
 
-def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
-    """Write the whole dashboard of `runs_dir` into `out_dir` (replacing what the export owns there).
+def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = None) -> ExportSummary:
+    """Write the whole dashboard of `runs_dir` into `out_dir` (replacing what the export owns there);
+    with `exchange_db`, its marketplace page too (a snapshot: the exported page does not refresh).
 
     The index lists every kind of run; each training (and demo) run gets its page with its metrics inline.
 
@@ -48,6 +50,9 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
                                              (Page.questions(), "questions.html", questions_page(campaigns))]
     # Campaign pages with their default curves (the metric chooser needs the server).
     campaign_pages = [(Page.campaign(c), "campaign.html", campaigns.page(c)) for c in campaigns.ids()]
+    if exchange_db is not None:
+        market = MarketPage(source="db", where=str(exchange_db), refresh_s=0, report=db_report(exchange_db))
+        pages.append((Page.market(), "market.html", market))
     trajectories: list[TrajectoryRef] = []
     for summary in index.runs:
         if summary.error:
@@ -65,7 +70,6 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
     # Training pages carry their metrics inline: from file:// a page cannot fetch its twin.
     training = TrainingRuns(run_index)
     trained = [e.run_id for e in every.entries if e.kind in (RunKind.train, RunKind.demo) and not e.error]
-    observatory_pages = len(pages) - 3
     pages += [(Page.train(run_id), "train.html", training.page(run_id)) for run_id in trained]
     # Rollouts: each training run's first EXPORT_PAGES table pages in file order, each of their rows'
     # generation pages, and the whole table as CSV (a filtered page needs the server).
@@ -105,6 +109,6 @@ def export_static(runs_dir: Path, out_dir: Path) -> ExportSummary:
         record = runs.trajectory_page(ref.run_id, ref.rollout_engine, ref.trajectory_id, trainer=ref.trainer_engine,
                                       compare=ref.compare)
         write(Page.trajectory(ref), "trajectory.html", record)
-    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=observatory_pages,
+    return ExportSummary(out_dir=str(out), pages=len(pages) + len(trajectories), runs=sum(1 for p, _, _ in pages if p.kind == "run"),
                          trajectories=len(trajectories), training=len(trained), rollout_pages=len(tables),
                          campaigns=len(campaign_pages))

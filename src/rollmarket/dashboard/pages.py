@@ -29,7 +29,7 @@ class Page:
 
     kind: str
     """index, run, trajectory, metrics, train, train-metrics, rollouts, rollouts_csv, generation, campaign,
-    questions, static, or raw (a server path as requested, for error pages)."""
+    questions, market, static, or raw (a server path as requested, for error pages)."""
     run_id: str | None = None
     """The run's id; for a campaign page, the campaign's."""
     ref: TrajectoryRef | None = None
@@ -83,6 +83,11 @@ class Page:
         return cls("questions")
 
     @classmethod
+    def market(cls, run_id: str | None = None) -> Page:
+        """The marketplace: the dashboard's exchange, or with `run_id` that training run's exchange.db."""
+        return cls("market", run_id=run_id)
+
+    @classmethod
     def static(cls, asset: str) -> Page:
         return cls("static", asset=asset)
 
@@ -110,6 +115,8 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
         return f"/train/{quote(page.run_id, safe='')}/rollouts{ext}" + ("?" + urlencode(page.params) if page.params else "")
     if page.kind == "generation":
         return f"/train/{quote(page.run_id, safe='')}/rollouts/{page.row}{ext}"
+    if page.kind == "market":
+        return f"/market{ext}" + (f"?{urlencode({'run': page.run_id})}" if page.run_id else "")
     if page.kind == "raw":
         return page.asset + ("" if not json_twin or page.asset.endswith(".json") else ".json")
     return f"/static/{page.asset}"
@@ -125,6 +132,8 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
     ext = ".json" if json_twin else ".html"
     if page.kind in ("index", "metrics", "questions"):
         return page.kind + ext
+    if page.kind == "market":
+        return f"market{ext}" if page.run_id is None else f"market/{slug(page.run_id)}{ext}"
     if page.kind == "run":
         return f"runs/{slug(page.run_id)}{ext}"
     if page.kind == "train":
@@ -228,6 +237,11 @@ class Linker:
 
     def generation(self, run_id: str, row: int) -> str | None:
         page = Page.generation(run_id, row)
+        return self.href(page) if self.has(page) else None
+
+    def market(self, run_id: str | None = None) -> str | None:
+        """A link to the marketplace; None in a static export that has none."""
+        page = Page.market(run_id)
         return self.href(page) if self.has(page) else None
 
     def asset(self, name: str) -> str:

@@ -36,6 +36,7 @@ from ..contracts import (
     GroupDecision,
     HeartbeatReply,
     LeaseGrant,
+    MarketReport,
     PolicyManifest,
     PoolStatus,
     Record,
@@ -453,6 +454,14 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         """Every registered worker with its status, alignment and feedback quality."""
         exchange.require_trainer(authz(request))
         return respond(request, [w.model_dump(mode="json") for w in await exchange.workers()])
+
+    @app.get("/v1/market", tags=["trainer"], responses={200: {"model": MarketReport}, **_ERRORS})
+    async def market(request: Request) -> Response:
+        """The marketplace: workers with their profile and record, decisions over time by worker and
+        tier, rejection reasons, policy lag at arrival, reload-ack latency, accepted tokens/s and
+        each trainer's idle fraction (read-only; the dashboard's /market page)."""
+        exchange.require_trainer(authz(request))
+        return respond(request, await exchange.market())
 
     @app.get("/v1/audit", tags=["trainer"], responses={200: {"model": AuditPage}, **_ERRORS})
     async def audit(

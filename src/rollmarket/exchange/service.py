@@ -15,6 +15,7 @@ from ..contracts import (
     GroupDecision,
     HeartbeatReply,
     LeaseGrant,
+    MarketReport,
     NoLeaseReason,
     PolicyManifest,
     PoolStatus,
@@ -259,6 +260,9 @@ class Exchange:
 
     async def workers(self) -> list[WorkerSummary]:
         return await self.store.workers()
+
+    async def market(self) -> MarketReport:
+        return await self.store.market(time.time())
 
     async def audit(self, since_seq: int, kind: str | None, subject: str | None, limit: int) -> AuditPage:
         return await self.store.audit(since_seq, kind, subject, limit)

@@ -18,6 +18,7 @@ from ..contracts import (
     HeartbeatReply,
     JobView,
     LeaseGrant,
+    MarketReport,
     PolicyManifest,
     PoolStatus,
     ReportReceipt,
@@ -171,6 +172,10 @@ class Store(ABC):
 
     @abstractmethod
     async def audit(self, since_seq: int, kind: str | None, subject: str | None, limit: int) -> AuditPage: ...
+
+    @abstractmethod
+    async def market(self, now: float) -> MarketReport:
+        """Workers, decisions over time, rejections, lags, reload latency, throughput, trainer idle."""
 
     @abstractmethod
     async def counts(self) -> dict[str, dict[str, int]]:

@@ -259,8 +259,9 @@ class ExchangeSection(_Section):
 
 
 class LoggingSection(_Section):
-    trackers: list[Literal["wandb", "tensorboard"]] = Field(
-        default_factory=list, description="Optional writers beside metrics.jsonl (W&B runs offline by default).")
+    trackers: list[Literal["wandb", "tensorboard"]] | None = Field(
+        None, description="Mirrors of metrics.jsonl and the rollouts (W&B offline by default, TensorBoard); "
+                          "None: every one installed (W&B not when wandb_mode or WANDB_MODE is disabled); []: none.")
     wandb_project: str = Field("rollmarket", description="W&B project.")
     wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode.")
     generations_every: int = Field(1, ge=0, description="Write generations.jsonl rows every N steps; 0: never.")

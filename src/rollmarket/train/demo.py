@@ -328,5 +328,7 @@ def run_train_demo(config: TrainDemoConfig, *, runs_dir: Path = Path("runs"), co
     write_json(run_dir / "summary.json", summary)
     console.print(f"run directory: {run_dir} (config.json, metrics.jsonl, evals.jsonl, generations.jsonl, "
                   f"exchange.db); see it with [bold]rollmarket dashboard --runs {run_dir.parent}[/]", highlight=False)
+    for tracker in summary.get("trackers", []):
+        console.print(f"{tracker['tracker']}: {tracker['open']}", highlight=False)
     console.print(f"demo took {_duration(summary['seconds'])}", highlight=False)
     return summary

@@ -566,6 +566,7 @@ class Trainer:
             "run_dir": str(run_dir), "steps": cfg.loop.steps, "final_version": version,
             "eval_before": self.history.get("before"), "eval_after": self.history.get("last"),
             "minutes": round(minutes, 2), "running_correct_rate": solved / seen if seen else None,
+            "trackers": [t.where() for t in self.trackers],
             **self._labels(),
         }
         write_json(run_dir / "summary.json", summary)
@@ -640,13 +641,14 @@ class Trainer:
         return row
 
     def _trackers(self, stack: ExitStack, run_dir: Path) -> list:
-        """Optional mirrors of metrics.jsonl (W&B offline, TensorBoard); the files stay the record."""
-        names = list(self.config.logging.trackers)
-        if not names:
-            return []
-        from .trackers import make_trackers
+        """Mirrors of metrics.jsonl and the rollouts (W&B offline, TensorBoard); the files stay the record.
+        Unless logging.trackers names them, every installed tracker mirrors the run."""
+        from .trackers import installed_trackers, make_trackers
 
         lg = self.config.logging
+        names = installed_trackers(lg.wandb_mode) if lg.trackers is None else list(lg.trackers)
+        if not names:
+            return []
         trackers = make_trackers(names, run_dir, run_name=run_dir.name, config=self.config.model_dump(mode="json"),
                                  wandb_project=lg.wandb_project, wandb_mode=lg.wandb_mode)
         for tracker in trackers:
@@ -665,6 +667,7 @@ class Trainer:
         numeric = {k: v for k, v in row.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in labels}
         for tracker in self.trackers:
+            tracker.log_rollouts(generations, step=row["step"])
             tracker.log(numeric, step=row["step"])
 
     def _repair_files(self, step: int) -> bool:

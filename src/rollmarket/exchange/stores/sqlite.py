@@ -34,6 +34,7 @@ from ...contracts import (
     JobView,
     LeaseGrant,
     LeaseState,
+    MarketReport,
     NoLeaseReason,
     PolicyManifest,
     PoolStatus,
@@ -55,6 +56,7 @@ from ...contracts import (
 from ...gate import Finding, check_against_lease, load_public_key, triage_on_arrival
 from ..dispatch import job_mismatch, lease_requirements, policy_mismatch, worker_score
 from ..errors import ExchangeFault
+from ..market import market_report
 from ..settings import ExchangeSettings
 from ..store import FetchBatch, FetchFilter, ReapResult, StoredGroup, Store, SubmitOutcome
 
@@ -1200,4 +1202,7 @@ class SqliteStore(Store):
 
     async def counts(self) -> dict[str, dict[str, int]]:
         return await self._read(self._counts)
+
+    async def market(self, now: float) -> MarketReport:
+        return await self._read(lambda conn: market_report(conn, now))
 

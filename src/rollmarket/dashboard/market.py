@@ -1,0 +1,140 @@
+"""The marketplace page (`/market`): an exchange's workers, decisions, rejections, lags, reload
+latency, throughput and trainer idle time.
+
+The numbers come from one place, `rollmarket.exchange.market.market_report`: a running exchange
+computes them for `GET /v1/market` (read here with the official TrainerClient), and an exchange
+database file (`--exchange-db`, or a training run's own `exchange.db` via `?run=<id>`) is opened
+read-only and computed here. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from pydantic import Field
+
+from ..contracts import ErrorCode, MarketReport, Record
+from .data import DashboardError
+
+EXCHANGE_DB = "exchange.db"
+RUN_DEPTH = 4
+"""How deep under --runs a run directory may sit: <campaign>/runs/<condition>__s<seed>/<stamp-id>/."""
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+REFRESH_S = 5.0
+"""How often a served page re-reads its `.json` twin."""
+
+
+class MarketMissing(str, Enum):
+    """Why there is no marketplace to show."""
+
+    no_market = "no_market"
+    """The dashboard was started without --exchange or --exchange-db, and no ?run= was given."""
+    run = "unknown_run"
+    exchange_unreachable = "exchange_unreachable"
+    unreadable_db = "unreadable_exchange_db"
+
+
+class MarketError(DashboardError):
+    """A marketplace that cannot be shown: 404 when there is none, 502 when the exchange does not
+    answer or its database does not read."""
+
+    STATUS = {MarketMissing.no_market: 404, MarketMissing.run: 404, MarketMissing.exchange_unreachable: 502,
+              MarketMissing.unreadable_db: 502}
+
+    @property
+    def status_code(self) -> int:
+        return self.STATUS[self.missing]
+
+    @property
+    def code(self) -> ErrorCode:
+        return ErrorCode.not_found if self.status_code == 404 else ErrorCode.internal
+
+
+class MarketPage(Record):
+    """The `/market` page: where the numbers came from, and the exchange's MarketReport."""
+
+    source: str = Field(description="exchange (a running exchange's /v1/market), db (a database file) or run "
+                                    "(a training run's exchange.db).")
+    where: str = Field(description="The exchange URL or the database path.")
+    run_id: str | None = None
+    refresh_s: float = Field(description="How often the served page re-reads this twin (seconds); 0 in a static "
+                                         "export, which is a snapshot.")
+    report: MarketReport
+
+
+@dataclass(frozen=True)
+class MarketSource:
+    """Where `/market` (without ?run=) reads from: a running exchange, or a database file."""
+
+    exchange_url: str | None = None
+    trainer_token: str | None = None
+    exchange_db: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.exchange_url and self.exchange_db:
+            raise ValueError("give an exchange URL or an exchange database, not both")
+        if self.exchange_url and not self.trainer_token:
+            raise ValueError("an exchange URL needs the exchange's trainer token")
+
+
+def db_report(path: Path) -> MarketReport:
+    """The MarketReport of an exchange database file, opened read-only (nothing is written)."""
+    from ..exchange.market import market_report, open_readonly
+
+    if not Path(path).is_file():
+        raise MarketError(MarketMissing.unreadable_db, f"no exchange database at {path}", path=str(path))
+    try:
+        conn = open_readonly(Path(path))
+        try:
+            return market_report(conn, time.time())
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise MarketError(MarketMissing.unreadable_db, f"{path} does not read as an exchange database: {exc}",
+                          path=str(path)) from exc
+
+
+def exchange_report(url: str, token: str) -> MarketReport:
+    """The MarketReport of a running exchange, through its API (GET /v1/market)."""
+    from ..client import ExchangeError, TrainerClient
+
+    try:
+        with TrainerClient(url, token, timeout=10.0, retries=1, wire="json") as client:
+            return client.market()
+    except (ExchangeError, OSError) as exc:
+        raise MarketError(MarketMissing.exchange_unreachable, f"the exchange at {url} did not answer: {exc}",
+                          exchange=url) from exc
+
+
+def find_run(runs_dir: Path, run_id: str) -> Path:
+    """The run directory named `run_id` (holding an exchange.db) anywhere up to RUN_DEPTH under runs_dir."""
+    if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
+        raise MarketError(MarketMissing.run, f"{run_id!r} is not a run id", run_id=run_id[:128])
+    frontier = [Path(runs_dir)]
+    for _ in range(RUN_DEPTH):
+        found = [d / run_id for d in frontier if (d / run_id / EXCHANGE_DB).is_file()]
+        if found:
+            return found[0]
+        frontier = [c for d in frontier if d.is_dir() for c in sorted(d.iterdir()) if c.is_dir()]
+    raise MarketError(MarketMissing.run, f"no run {run_id!r} with an {EXCHANGE_DB} under {runs_dir}", run_id=run_id)
+
+
+def market_page(source: MarketSource | None, runs_dir: Path, run_id: str | None = None) -> MarketPage:
+    """The `/market` page for a run's exchange.db (`run_id`), else for the dashboard's source."""
+    if run_id is not None:
+        path = find_run(runs_dir, run_id) / EXCHANGE_DB
+        return MarketPage(source="run", where=str(path), run_id=run_id, refresh_s=REFRESH_S, report=db_report(path))
+    if source is None or not (source.exchange_url or source.exchange_db):
+        raise MarketError(MarketMissing.no_market, "no marketplace: start the dashboard with --exchange URL "
+                                                   "--trainer-token T or --exchange-db PATH, or ask for ?run=<id>")
+    if source.exchange_db is not None:
+        return MarketPage(source="db", where=str(source.exchange_db), refresh_s=REFRESH_S,
+                          report=db_report(source.exchange_db))
+    return MarketPage(source="exchange", where=source.exchange_url, refresh_s=REFRESH_S,
+                      report=exchange_report(source.exchange_url, source.trainer_token))
+

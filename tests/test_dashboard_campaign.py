@@ -31,6 +31,9 @@ from test_dashboard import CHROMIUM, chart_pixels, shot
 
 ROOT = Path(__file__).resolve().parents[1]
 ANCHOR = ROOT.parent / "shared" / "seeds" / "future-research.md"
+"""The agenda itself, where the checkout sits beside it (the development machine); a fresh clone
+elsewhere has only AGENDA, its question headings as committed."""
+AGENDA = ROOT / "tests" / "data" / "agenda_questions.json"
 CAMPAIGN = "exp-fixture"
 WIP = "exp-wip"
 CONDITIONS = ("base", "cand")
@@ -281,12 +284,14 @@ def test_the_dashboard_never_loads_torch(runs_dir, numbers):
 
 
 def anchor_headings() -> dict[str, str]:
-    """The agenda's questions: {number: heading} from its `### N. heading` lines."""
-    if not ANCHOR.is_file():
-        pytest.fail(f"{ANCHOR} (the issue's anchor, beside the repository) is missing")
-    pairs = re.findall(r"^### (\d+[a-z]?)\.\s*(.+?)\s*$", ANCHOR.read_text(), flags=re.M)
-    assert len({n for n, _ in pairs}) == len(pairs)
-    return dict(pairs)
+    """The agenda's questions: {number: heading}, as committed in AGENDA; where the agenda itself is
+    beside the checkout, its `### N. heading` lines must still say the same."""
+    committed = json.loads(AGENDA.read_text())
+    if ANCHOR.is_file():
+        pairs = re.findall(r"^### (\d+[a-z]?)\.\s*(.+?)\s*$", ANCHOR.read_text(), flags=re.M)
+        assert len({n for n, _ in pairs}) == len(pairs)
+        assert dict(pairs) == committed, f"{AGENDA} no longer matches {ANCHOR}: regenerate it"
+    return committed
 
 
 def anchor_numbers() -> list[str]:

@@ -11,6 +11,7 @@ issue's anchor (future-research.md beside the repository, in ../shared/seeds/) a
 from __future__ import annotations
 
 import json
+import tomllib
 import re
 import subprocess
 import sys
@@ -34,6 +35,7 @@ ANCHOR = ROOT.parent / "shared" / "seeds" / "future-research.md"
 """The agenda itself, where the checkout sits beside it (the development machine); a fresh clone
 elsewhere has only AGENDA, its question headings as committed."""
 AGENDA = ROOT / "tests" / "data" / "agenda_questions.json"
+QUESTIONS_FILE = ROOT / "src" / "rollmarket" / "dashboard" / "questions.toml"
 CAMPAIGN = "exp-fixture"
 WIP = "exp-wip"
 CONDITIONS = ("base", "cand")
@@ -453,7 +455,11 @@ def test_questions_page_in_the_browser(browser, server):
         page.goto(f"{server}/questions")
         rows = page.locator('[data-testid="question"]')
         assert rows.count() == len(anchor_numbers())
-        assert page.locator('[data-testid="question"][data-number="10"]').get_attribute("data-status") == "open"
+        # Every row shows the status the data file gives its question (read here with tomllib).
+        written = {q["number"]: q["status"] for q in tomllib.loads(QUESTIONS_FILE.read_text())["questions"]}
+        shown = {rows.nth(i).get_attribute("data-number"): rows.nth(i).get_attribute("data-status")
+                 for i in range(rows.count())}
+        assert shown == written
         shot(page, "questions")
         page.click("text=Open questions")
         page.wait_for_url(re.compile(r"/questions$"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..contracts import Record
 from .campaigns import Campaigns
-from .data import Runs, TrajectoryRef
+from .data import DashboardError, Runs, TrajectoryRef
 from .market import MarketPage, db_report
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer, file_path
@@ -49,7 +49,12 @@ def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = N
                                              (Page.metrics(), "metrics.html", metrics_page()),
                                              (Page.questions(), "questions.html", questions_page(campaigns))]
     # Campaign pages with their default curves (the metric chooser needs the server).
-    campaign_pages = [(Page.campaign(c), "campaign.html", campaigns.page(c)) for c in campaigns.ids()]
+    campaign_pages = []
+    for campaign_id in campaigns.ids():
+        try:
+            campaign_pages.append((Page.campaign(campaign_id), "campaign.html", campaigns.page(campaign_id)))
+        except DashboardError:  # an unreadable campaign.json: the index lists it with its error, as the server does
+            continue
     if exchange_db is not None:
         market = MarketPage(source="db", where=str(exchange_db), refresh_s=0, report=db_report(exchange_db))
         pages.append((Page.market(), "market.html", market))

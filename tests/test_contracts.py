@@ -197,6 +197,13 @@ def make_cell() -> contracts.MatrixCell:
         worst_token=make_worst_token(), worst_trajectory_id="calc-1#0", low_n=False)
 
 
+def market_worker():
+    return contracts.MarketWorker(
+        worker_id="w1", status="alive", engine_name="hf", engine_version="0.1.0", device_type="cpu", device_count=1,
+        region="local", precision_classes=["bf16"], engine_fingerprint=sha("fp"), quality=0.9, price_hint=1.5,
+        leases=4, active_leases=1, accepted=3, rejected=1, accepted_tokens=120, decisions={"train": 3})
+
+
 FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
     PolicyManifest: lambda: policy(3, created_at=T0, allowed_engines=["hf"]),
     ReloadAck: lambda: ReloadAck(worker_id="w1", policy_version=3, checkpoint_digest=sha("ckpt-3"),
@@ -248,6 +255,24 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
                                                     data={})], next_seq=2),
     ErrorDetail: lambda: ErrorDetail(code=ErrorCode.rejected, message="no", reasons=["hash_mismatch"]),
     ErrorBody: lambda: ErrorBody(error=ErrorDetail(code=ErrorCode.not_found, message="gone")),
+    contracts.MarketWorker: lambda: market_worker(),
+    contracts.MarketBucket: lambda: contracts.MarketBucket(
+        start=T0, by_worker={"w1": 3}, by_tier={"fresh": 2, "replay": 1}, by_status={"train": 3},
+        accepted_groups=3, accepted_tokens=120),
+    contracts.LagBin: lambda: contracts.LagBin(lag=1, groups=4),
+    contracts.ReloadLatency: lambda: contracts.ReloadLatency(worker_id="w1", policy_version=3, seconds=0.4),
+    contracts.TrainerIdle: lambda: contracts.TrainerIdle(trainer_id="t1", groups=5, span_s=10.0, busy_s=7.5,
+                                                         idle_fraction=0.25),
+    contracts.MarketReport: lambda: contracts.MarketReport(
+        generated_at=T0, active_version=3, published_version=3, workers=[market_worker()],
+        decisions={"train": 3}, bucket_s=5.0,
+        timeline=[contracts.MarketBucket(start=T0, by_worker={"w1": 3}, by_tier={"fresh": 3},
+                                         by_status={"train": 3}, accepted_groups=3, accepted_tokens=120)],
+        submission_rejections={"hash_mismatch": 1}, gate_rejections={}, lag_histogram=[contracts.LagBin(lag=0, groups=3)],
+        reload_acks=[contracts.ReloadLatency(worker_id="w1", policy_version=3, seconds=0.4)],
+        reload_latency_mean_s=0.4, reload_latency_max_s=0.4, accepted_groups=3, accepted_tokens=120,
+        accepted_span_s=9.0, accepted_tokens_per_s=120 / 9.0,
+        trainers=[contracts.TrainerIdle(trainer_id="t1", groups=3, span_s=10.0, busy_s=7.5, idle_fraction=0.25)]),
     contracts.CapturedToolCall: lambda: contracts.CapturedToolCall(
         id="call_1", name="calculator", arguments='{"expression": "2 + 2"}'),
     contracts.CapturedChoice: lambda: contracts.CapturedChoice(

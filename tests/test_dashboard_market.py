@@ -232,6 +232,7 @@ def test_the_database_file_and_a_run_directory_give_the_same_numbers(market, tmp
     # A training run's own exchange.db, found under --runs at a campaign run's depth.
     run_dir = tmp_path / "camp" / "runs" / "cond__s0" / RUN_ID
     run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")  # a training run's directory, as the dashboard finds them
     source = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     copy = sqlite3.connect(run_dir / "exchange.db")
     source.backup(copy)

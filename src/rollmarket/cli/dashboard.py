@@ -30,10 +30,11 @@ console = Console(stderr=True)
               type=click.Choice(["debug", "info", "warning", "error"]), help="The server's log level.")
 def dashboard(runs_dir: Path, host: str, port: int, static_dir: Path | None, exchange_url: str | None,
               trainer_token: str | None, exchange_db: Path | None, log_level: str) -> None:
-    """The dashboard: every run with its status; a training run's curves (live while it runs) and
-    rollouts; campaigns; the observatory's mismatch matrices, router matrix, worst token, length
-    scaling, agent divergence and trajectory viewer; with --exchange or --exchange-db, the
-    marketplace. Every page has a .json twin (same path + .json)."""
+    """The dashboard: every run, training curves and rollouts, campaigns, the observatory, the
+    marketplace and the open questions. A training run's curves follow it live; the observatory
+    shows mismatch matrices, router matrix, worst token, length scaling, agent divergence and a
+    trajectory viewer; --exchange or --exchange-db adds the marketplace. Every page has a .json
+    twin (same path + .json)."""
     if exchange_url and exchange_db:
         raise click.UsageError("give --exchange or --exchange-db, not both")
     if exchange_url and not trainer_token:

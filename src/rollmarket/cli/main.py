@@ -43,9 +43,8 @@ COMMANDS: dict[str, LazyCommand] = {
     "compare": LazyCommand("rollmarket.cli.stats", "compare_command",
                            "Compare any training runs with others, paired by seed, and give verdicts."),
     "dashboard": LazyCommand("rollmarket.cli.dashboard", "dashboard",
-                             "The dashboard: every run with its status; a training run's curves (live while it "
-                             "runs); the observatory's mismatch matrices, router matrix, worst token, length "
-                             "scaling, agent divergence and trajectory viewer."),
+                             "The dashboard: every run, training curves and rollouts, campaigns, the observatory, "
+                             "the marketplace and the open questions."),
     "demo": LazyCommand("rollmarket.cli.demo", "demo",
                         "Run the main job: train the starting model through a real exchange with real worker "
                         "processes at several precisions, one of them a slow host whose rollouts drift (it lags "

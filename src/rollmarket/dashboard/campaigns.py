@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,11 @@ from pydantic import Field
 
 from ..contracts import Record
 from .data import DashboardError, Missing
+from .runs import RunKind, discover
 
 CAMPAIGN_FILE = "campaign.json"
 DEFAULT_METRICS = ("eval/pass@1", "critic/rewards/mean")
 """Curves drawn when the URL chooses none: held-out sampled pass@1 and the training reward."""
-SEARCH_DEPTH = 3
-"""How deep under --runs campaign directories are looked for (--runs itself counts as depth 0)."""
 CONFIDENCE = 0.95
 NOT_METRICS = frozenset({"step", "seed", "condition", "policy_version"})
 """Numeric columns of metrics.jsonl that label a row rather than measure it."""
@@ -96,23 +94,9 @@ class CampaignPage(Record):
 
 
 def _campaign_dirs(runs_dir: Path) -> dict[str, Path]:
-    """Campaign directories (holding campaign.json) under `runs_dir`, by name; the shallowest wins."""
-    found: dict[str, tuple[int, str, Path]] = {}
-    if not runs_dir.is_dir():
-        return {}
-    base = len(runs_dir.parts)
-    for root, dirs, files in os.walk(runs_dir):
-        path = Path(root)
-        depth = len(path.parts) - base
-        if CAMPAIGN_FILE in files:
-            name = path.name if depth else runs_dir.resolve().name
-            found[name] = min(found.get(name, (depth, str(path), path)), (depth, str(path), path))
-        # A run directory or a campaign's runs/ holds no further campaigns worth the walk.
-        if depth >= SEARCH_DEPTH or "metrics.jsonl" in files or CAMPAIGN_FILE in files:
-            dirs[:] = []
-        else:
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-    return {name: path for name, (_, _, path) in found.items()}
+    """Campaign directories (holding campaign.json) under `runs_dir`, or `runs_dir` itself, by name
+    (runs.py's discovery: the shallowest of two with one name wins)."""
+    return {run_id: f.path for run_id, f in discover(Path(runs_dir)).items() if f.kind is RunKind.campaign}
 
 
 class Campaigns:

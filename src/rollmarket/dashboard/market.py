@@ -20,10 +20,10 @@ from pydantic import Field
 
 from ..contracts import ErrorCode, MarketReport, Record
 from .data import DashboardError
+from .runs import RunKind
+from .runs import find_run as find_training
 
 EXCHANGE_DB = "exchange.db"
-RUN_DEPTH = 4
-"""How deep under --runs a run directory may sit: <campaign>/runs/<condition>__s<seed>/<stamp-id>/."""
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 REFRESH_S = 5.0
 """How often a served page re-reads its `.json` twin."""
@@ -112,16 +112,14 @@ def exchange_report(url: str, token: str) -> MarketReport:
 
 
 def find_run(runs_dir: Path, run_id: str) -> Path:
-    """The run directory named `run_id` (holding an exchange.db) anywhere up to RUN_DEPTH under runs_dir."""
+    """The training run `run_id` under runs_dir that holds an exchange.db (runs.py's discovery)."""
     if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
         raise MarketError(MarketMissing.run, f"{run_id!r} is not a run id", run_id=run_id[:128])
-    frontier = [Path(runs_dir)]
-    for _ in range(RUN_DEPTH):
-        found = [d / run_id for d in frontier if (d / run_id / EXCHANGE_DB).is_file()]
-        if found:
-            return found[0]
-        frontier = [c for d in frontier if d.is_dir() for c in sorted(d.iterdir()) if c.is_dir()]
-    raise MarketError(MarketMissing.run, f"no run {run_id!r} with an {EXCHANGE_DB} under {runs_dir}", run_id=run_id)
+    path = find_training(runs_dir, run_id, (RunKind.train, RunKind.demo), EXCHANGE_DB)
+    if path is None:
+        raise MarketError(MarketMissing.run, f"no run {run_id!r} with an {EXCHANGE_DB} under {runs_dir}",
+                          run_id=run_id)
+    return path
 
 
 def market_page(source: MarketSource | None, runs_dir: Path, run_id: str | None = None) -> MarketPage:

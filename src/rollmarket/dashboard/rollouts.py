@@ -19,7 +19,6 @@ import csv
 import io
 import json
 import math
-import os
 import re
 import sqlite3
 import threading
@@ -33,11 +32,11 @@ from pydantic import Field
 
 from ..contracts import Record
 from .data import DashboardError, Missing
+from .runs import RunKind, discover, find_run
 
 GENERATIONS = "generations.jsonl"
 EXCHANGE_DB = "exchange.db"
-DISCOVERY_DEPTH = 4
-"""How deep under --runs a run directory may sit (campaign runs: <campaign>/runs/<cond>__s<seed>/<run>)."""
+TRAINING = (RunKind.train, RunKind.demo)
 PER_PAGE_DEFAULT, PER_PAGE_MAX = 25, 500
 EXPORT_PAGES = 10
 """Table pages a static export writes per training run (with their rows' generation pages and the CSV)."""
@@ -193,31 +192,20 @@ def bad_parameter(name: str, message: str) -> DashboardError:
 # ----------------------------------------------------------------------------- discovery
 
 
-_SKIP = {"checkpoints", "logs", "workers", "trajectories", "reports", "viewer", "__pycache__"}
-
-
-def _walk(root: Path) -> Iterator[Path]:
-    """Directories up to DISCOVERY_DEPTH levels under `root` that hold a generations.jsonl."""
-    for top, dirs, files in os.walk(root):
-        if GENERATIONS in files and top != str(root):
-            yield Path(top)
-        depth = len(Path(top).relative_to(root).parts)
-        dirs[:] = [] if depth >= DISCOVERY_DEPTH else sorted(d for d in dirs if d not in _SKIP and not d.startswith("."))
-
-
 def training_runs(runs_dir: Path) -> list[Path]:
-    """Every run directory with a generations.jsonl under `runs_dir`, by name."""
-    return sorted(_walk(Path(runs_dir)), key=lambda p: p.name)
+    """Every training (or demo) run directory with a generations.jsonl under `runs_dir`, by name."""
+    found = discover(Path(runs_dir)).values()
+    return sorted((f.path for f in found if f.kind in TRAINING and (f.path / GENERATIONS).is_file()),
+                  key=lambda p: p.name)
 
 
 def find_training_run(runs_dir: Path, run_id: str) -> Path:
-    """The directory named `run_id` holding a generations.jsonl, up to DISCOVERY_DEPTH levels under
-    `runs_dir`; a typed 404 otherwise. (Helper A's shared discovery may replace this function.)"""
-    if run_id and run_id not in (".", "..") and not any(ch in run_id for ch in "/\\\0"):
-        for run_dir in _walk(Path(runs_dir)):
-            if run_dir.name == run_id:
-                return run_dir
-    raise DashboardError(Missing.run, f"no training run {run_id!r} under {runs_dir}", run_id=run_id)
+    """The training run named `run_id` holding a generations.jsonl (runs.py's discovery); a typed 404
+    otherwise."""
+    path = find_run(runs_dir, run_id, TRAINING, GENERATIONS)
+    if path is None:
+        raise DashboardError(Missing.run, f"no training run {run_id!r} under {runs_dir}", run_id=run_id)
+    return path
 
 
 # ----------------------------------------------------------------------------- the index

@@ -353,7 +353,7 @@ def flock_held(path: Path) -> bool | None:
 
 
 def is_training_dir(path: Path) -> bool:
-    if (path / "metrics.jsonl").is_file():
+    if (path / "metrics.jsonl").is_file() or (path / "generations.jsonl").is_file():
         return True
     try:
         config = read_json(path / "config.json")
@@ -398,27 +398,49 @@ def discover(runs_dir: Path, max_depth: int = MAX_DEPTH) -> dict[str, Found]:
     with a name already found is ignored (ids are unique stamps, so only a copy collides)."""
     found: dict[str, Found] = {}
 
-    def walk(folder: Path, depth: int, campaign: Path | None) -> None:
-        try:
-            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-        except OSError:
-            return
+    def level(folders: list[tuple[Path, Path | None]]) -> list[tuple[Path, Path | None]]:
+        """Record the runs among these folders' children; return the children to look into next."""
         deeper = []
-        for child in children:
-            kind = _kind(child)
-            if kind is not None and child.name not in found:
-                found[child.name] = Found(child.name, kind, child, campaign)
-            if kind is RunKind.campaign:
-                deeper.append((child, child))
-            elif kind is None and child.name not in SKIP_DIRS:
-                deeper.append((child, campaign))
-        if depth < max_depth:
-            for child, within in deeper:
-                walk(child, depth + 1, within)
+        for folder, campaign in folders:
+            try:
+                children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+            except OSError:
+                continue
+            for child in children:
+                kind = _kind(child)
+                if kind is not None and child.name not in found:
+                    found[child.name] = Found(child.name, kind, child, campaign)
+                if kind is RunKind.campaign:
+                    deeper.append((child, child))
+                elif kind is None and child.name not in SKIP_DIRS:
+                    deeper.append((child, campaign))
+        return deeper
+
+    def walk(root: Path, campaign: Path | None) -> None:
+        # Level by level, so that of two directories with one name the shallower is found.
+        frontier = [(root, campaign)]
+        for _ in range(max_depth):
+            frontier = level(frontier)
+            if not frontier:
+                break
 
     if runs_dir.is_dir():
-        walk(runs_dir, 1, None)
+        # --runs may itself be a run or a campaign (`--runs experiments/results/exp-a2`).
+        kind = _kind(runs_dir)
+        if kind is not None:
+            name = runs_dir.resolve().name
+            found[name] = Found(name, kind, runs_dir, None)
+        walk(runs_dir, runs_dir if kind is RunKind.campaign else None)
     return found
+
+
+def find_run(runs_dir: Path, run_id: str, kinds: tuple[RunKind, ...], needs: str | None = None) -> Path | None:
+    """The directory of run `run_id` (its name) under `runs_dir` if it is one of `kinds` and holds the
+    file `needs`; None otherwise. The one lookup every page uses, so they all agree on what a run is."""
+    hit = discover(Path(runs_dir)).get(run_id)
+    if hit is None or hit.kind not in kinds or (needs is not None and not (hit.path / needs).is_file()):
+        return None
+    return hit.path
 
 
 def started_at(run_id: str, path: Path) -> str | None:

@@ -484,3 +484,41 @@ def test_static_export_pages_from_files(browser, runs_dir, tmp_path):
         context.close()
     assert not errors, errors
     assert [u for u in requests if not u.startswith("file://")] == []
+
+
+def test_tokens_are_coloured_by_delta_where_the_trainer_saved_its_logprobs(tmp_path):
+    """token_logprobs.jsonl (written by the trainer beside each generations row, in the same order)
+    gives each model token its trainer logprob and Δ = trainer − behaviour; a line that is not the
+    row's generation is not used."""
+    rows = ROWS[:8]
+    run = write_run(tmp_path / RUN_ID, rows)
+    n_tokens = len(MODEL_A) + len(TOOL) + len(MODEL_B)
+    tool = set(range(len(MODEL_A), len(MODEL_A) + len(TOOL)))
+    saved = []
+    for k, r in enumerate(rows):
+        trainer = [None if p in tool else round(-0.1 * (p + 1) - 0.01 * k, 5) for p in range(n_tokens)]
+        saved.append({"step": r["step"], "group_id": r["group_id"], "sample_index": r["sample_index"],
+                      "trainer_logprobs": trainer})
+    saved[3]["group_id"] = "grp_elsewhere"  # line 3 belongs to another generation
+    (run / "token_logprobs.jsonl").write_text("".join(json.dumps(s) + "\n" for s in saved))
+    client = TestClient(create_dashboard_app(tmp_path))
+
+    row = 5
+    data = client.get(f"/train/{RUN_ID}/rollouts/{row}.json").json()
+    n, s = int(rows[row]["group_id"].split("_")[1]), rows[row]["sample_index"]
+    behaviour = logprobs(n, s)
+    tokens = {t["position"]: t for seg in data["segments"] for t in seg["tokens"]}
+    assert data["note"] is None and len(tokens) == n_tokens
+    for p, t in tokens.items():
+        if p in tool:
+            assert t["trainer_logprob"] is None and t["delta"] is None
+        else:
+            trainer = -0.1 * (p + 1) - 0.01 * row
+            assert t["trainer_logprob"] == pytest.approx(trainer, abs=1e-5)
+            assert t["delta"] == pytest.approx(trainer - behaviour[p], abs=1e-5)
+    html = client.get(f"/train/{RUN_ID}/rollouts/{row}").text
+    assert 'data-testid="delta-legend"' in html and html.count("data-delta=") == n_tokens - len(tool)
+
+    other = client.get(f"/train/{RUN_ID}/rollouts/3.json").json()
+    assert all(t["delta"] is None for seg in other["segments"] for t in seg["tokens"])
+    assert "token_logprobs.jsonl" in other["note"]

@@ -12,6 +12,7 @@ import re
 import sqlite3
 from pathlib import Path
 
+import numpy as np
 import pytest
 from pydantic import BaseModel
 from safetensors.torch import load_file
@@ -169,6 +170,29 @@ def test_local_closed_loop_trains_publishes_and_workers_reload(tmp_path):
 
     generations = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
     assert len(generations) == 2 * 2 * 2
+    # Beside each generations row, in the same order, the trainer's teacher-forced logprob of each of
+    # its response tokens (None on tool output): aligned with the tokens the exchange stored, so Δ
+    # against the worker's own logprobs is small (a shift by one token would make it large).
+    saved = [json.loads(line) for line in (run_dir / "token_logprobs.jsonl").read_text().splitlines()]
+    assert [(t["step"], t["group_id"], t["sample_index"]) for t in saved] == [
+        (g["step"], g["group_id"], g["sample_index"]) for g in generations]
+    from rollmarket.contracts.sample import SampleGroup
+    from rollmarket.contracts.wire import unpackb
+
+    deltas = []
+    with sqlite3.connect(run_dir / "exchange.db") as db:
+        for t, g in zip(saved, generations):
+            group = SampleGroup.model_validate(unpackb(db.execute(
+                "SELECT payload FROM groups WHERE group_id=?", (t["group_id"],)).fetchone()[0]))
+            traj = next(x for x in group.trajectories if x.sample_index == t["sample_index"])
+            assert len(t["trainer_logprobs"]) == g["tokens"] == len(traj.response_token_ids)
+            tool = traj.tool_output_mask if traj.tool_output_mask is not None else np.zeros(g["tokens"], np.uint8)
+            for lp, behaviour, is_tool in zip(t["trainer_logprobs"], traj.logprobs, tool):
+                assert (lp is None) == bool(is_tool) or (lp is None and not np.isfinite(behaviour))
+                if lp is not None:
+                    assert lp <= 0.0
+                    deltas.append(abs(lp - float(behaviour)))
+    assert deltas and float(np.mean(deltas)) < 0.05
     # The reward-tie figures are those of the step's groups (recounted here from generations.jsonl,
     # G = 2: a group ties when its two rewards are equal, and then it is uniform too).
     for row in metrics[1:]:

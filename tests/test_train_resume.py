@@ -127,6 +127,11 @@ def check_run(run_dir: Path, db: Path, *, steps: int, groups_per_step: int, grou
     assert set(keys) == {(g, i) for g in decided_ids for i in range(group_size)}
     status = {g: s for g, s, _ in decided}
     assert all(r["decision"] == status[r["group_id"]] for r in rows)
+    # token_logprobs.jsonl stays row for row with generations.jsonl through every kill and repair.
+    tokens = jsonl(run_dir / "token_logprobs.jsonl")
+    assert [(t["step"], t["group_id"], t["sample_index"]) for t in tokens] == [
+        (g["step"], g["group_id"], g["sample_index"]) for g in rows]
+    assert all(len(t["trainer_logprobs"]) == g["tokens"] for t, g in zip(tokens, rows))
     if sync:  # a sync step trains on its own jobs; an async one also on the next step's
         assert all(r["step"] == job_step[r["group_id"]] for r in rows)
 

@@ -131,12 +131,15 @@ class RolloutsPage(Record):
 
 
 class TokenCell(Record):
-    """One response token with its behaviour logprob."""
+    """One response token with its behaviour logprob and, where the run saved it, the trainer's."""
 
     position: int = Field(description="Index among the trajectory's response tokens.")
     token_id: int
     text: str
     logprob: float | None = Field(description="The behaviour (rollout) logprob; None for tool output tokens.")
+    trainer_logprob: float | None = Field(
+        None, description="The trainer's teacher-forced logprob (token_logprobs.jsonl); None where not saved.")
+    delta: float | None = Field(None, description="trainer_logprob − logprob (Δlogp).")
 
 
 class ToolCallView(Record):
@@ -587,6 +590,42 @@ def _tool_calls(text: str) -> list[dict]:
     return calls
 
 
+TOKEN_LOGPROBS = "token_logprobs.jsonl"
+
+
+@lru_cache(maxsize=CACHED_RUNS)
+def _line_offsets(key: tuple[str, int, int]) -> list[int]:
+    """The byte offset of every complete line of a file (keyed by path, size and mtime)."""
+    offsets, at = [], 0
+    with open(key[0], "rb") as f:
+        for line in f:
+            if line.endswith(b"\n"):
+                offsets.append(at)
+            at += len(line)
+    return offsets
+
+
+def _trainer_logprobs(run_dir: Path, row: int, generation: GenerationRow, n_tokens: int) -> list | None:
+    """The trainer's logprob of each response token of generations row `row`: line `row` of
+    token_logprobs.jsonl, which the trainer writes beside each generations row in the same order.
+    None when the run did not save it or the line is not this generation's."""
+    path = run_dir / TOKEN_LOGPROBS
+    try:
+        st = path.stat()
+        offsets = _line_offsets((str(path), st.st_size, st.st_mtime_ns))
+        if row >= len(offsets):
+            return None
+        with open(path, "rb") as f:
+            f.seek(offsets[row])
+            saved = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    same = (saved.get("step"), saved.get("group_id"), saved.get("sample_index")) == (
+        generation.step, generation.group_id, generation.sample_index)
+    values = saved.get("trainer_logprobs")
+    return values if same and isinstance(values, list) and len(values) == n_tokens else None
+
+
 def generation_page(runs_dir: Path, run_id: str, row: int) -> GenerationPage:
     """One generation: its row, and its tokens from the run's exchange.db (group by group_id,
     trajectory by sample_index), segmented into model turns and tool output."""
@@ -633,11 +672,15 @@ def generation_page(runs_dir: Path, run_id: str, row: int) -> GenerationPage:
     tool_T = trajectory.tool_output_mask.tolist() if trajectory.tool_output_mask is not None else [0] * len(ids_T)
     boundaries = sorted(b for b in trajectory.turn_boundaries if 0 <= b < len(ids_T))
     tokenizer = _tokenizer(run_dir)
+    trainer_T = _trainer_logprobs(run_dir, row, generation, len(ids_T))
     runs: list[tuple[str, int, list[TokenCell]]] = []  # (kind, turn, tokens) of each segment
     for pos, (token_id, logprob, tool) in enumerate(zip(ids_T, logprobs_T, tool_T)):
         kind = "tool" if tool else "model"
         text = tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"⟨{token_id}⟩"
-        cell = TokenCell(position=pos, token_id=token_id, text=text, logprob=None if tool else logprob)
+        behaviour = None if tool else logprob
+        trainer = None if tool or trainer_T is None else trainer_T[pos]
+        cell = TokenCell(position=pos, token_id=token_id, text=text, logprob=behaviour, trainer_logprob=trainer,
+                         delta=trainer - behaviour if trainer is not None and behaviour is not None else None)
         if not runs or runs[-1][0] != kind or pos in boundaries:
             runs.append((kind, sum(1 for b in boundaries if 0 < b <= pos), []))
         runs[-1][2].append(cell)
@@ -649,8 +692,9 @@ def generation_page(runs_dir: Path, run_id: str, row: int) -> GenerationPage:
                  for c in (_tool_calls(text) if kind == "model" else [])]
         segments.append(Segment(kind=kind, turn=turn, tokens=cells, text=text, tool_calls=calls))
     model_lp = [lp for lp, tool in zip(logprobs_T, tool_T) if not tool and lp is not None]
-    note = ("The trainer's teacher-forced logprobs of these tokens are not saved with a training run, so tokens "
-            "are coloured by how unlikely the behaviour policy found them; the gate's group figures are above.")
+    note = None if trainer_T is not None else (
+        "This run saved no teacher-forced logprobs for this row (token_logprobs.jsonl; logging.token_logprobs), so "
+        "tokens are coloured by how unlikely the behaviour policy found them; the gate's group figures are above.")
     return GenerationPage(**{**page, "source": EXCHANGE_DB}, note=note, worker_id=group.worker_id,
                           engine=f"{group.engine_name} {group.engine_version}",
                           finish_reason=trajectory.finish_reason.value, n_tokens=len(ids_T),

@@ -265,6 +265,10 @@ class LoggingSection(_Section):
     wandb_project: str = Field("rollmarket", description="W&B project.")
     wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="W&B mode.")
     generations_every: int = Field(1, ge=0, description="Write generations.jsonl rows every N steps; 0: never.")
+    token_logprobs: bool = Field(
+        True, description="With each generations.jsonl row, write the trainer's teacher-forced logprob of every "
+                          "response token to token_logprobs.jsonl (the dashboard colours tokens by Δlogp); ~8 bytes "
+                          "a token.")
 
 
 class LabelsSection(_Section):

@@ -84,6 +84,10 @@ did not happen: there was no update to measure (nor datums for verl's mismatch f
 
 USABLE = {DecisionStatus.train, DecisionStatus.train_with_correction, DecisionStatus.replay}
 
+TRAINER_LOGPROBS = "_trainer_logprobs"
+"""A generations row's in-memory key for the trainer's teacher-forced logprob of each response token
+(None where the token is not trained on: tool output); `_write` moves it to token_logprobs.jsonl."""
+
 
 class TrainingError(RuntimeError):
     """The loop cannot go on (no groups in time, a quorum that never forms, a resume that does not fit)."""
@@ -395,6 +399,9 @@ class Trainer:
                         # the gate's clipped_fraction counts these: valid tokens with |Δ| past its clamp
                         "clipped_tokens": int((np.abs(delta_T[mask_T]) > self.gate.clamp).sum()),
                         "prompt": tok.decode(t.prompt_token_ids), "response": tok.decode(t.response_token_ids)})
+                    if cfg.logging.token_logprobs:  # written to token_logprobs.jsonl beside this row (_write)
+                        out.generations[-1][TRAINER_LOGPROBS] = [
+                            round(float(x), 5) if ok else None for x, ok in zip(s.logprobs_T, mask_T)]
                 if not j.use or adv == 0.0:
                     continue  # a run that ties its group carries no policy-gradient signal
                 if not mask_T.any():
@@ -660,7 +667,13 @@ class Trainer:
         return self.config.labels.model_dump()
 
     def _write(self, row: dict, generations: list[dict]) -> None:
-        """A step's rows: generations first, the metrics row last (it marks the step as written)."""
+        """A step's rows: generations (and their token logprobs) first, the metrics row last (it marks
+        the step as written)."""
+        tokens = [{"step": g["step"], "group_id": g["group_id"], "sample_index": g["sample_index"],
+                   "trainer_logprobs": g[TRAINER_LOGPROBS]} for g in generations if TRAINER_LOGPROBS in g]
+        generations = [{k: v for k, v in g.items() if k != TRAINER_LOGPROBS} for g in generations]
+        if tokens:
+            _append_jsonl(self.run_dir / "token_logprobs.jsonl", tokens)
         _append_jsonl(self.run_dir / "generations.jsonl", generations)
         labels = self._labels()
         _append_jsonl(self.run_dir / "metrics.jsonl", [{**row, **labels}])
@@ -680,8 +693,9 @@ class Trainer:
         """
         metrics = _keep_rows(self.run_dir / "metrics.jsonl", lambda r: r["step"] <= step, lambda r: (r["step"],))
         written = {r["step"] for r in metrics}
-        _keep_rows(self.run_dir / "generations.jsonl", lambda r: r["step"] in written,
-                   lambda r: (r["step"], r.get("group_id"), r.get("sample_index")))
+        for name in ("generations.jsonl", "token_logprobs.jsonl"):  # row i of one is row i of the other
+            _keep_rows(self.run_dir / name, lambda r: r["step"] in written,
+                       lambda r: (r["step"], r.get("group_id"), r.get("sample_index")))
         _keep_rows(self.run_dir / "evals.jsonl", lambda r: r["step"] in written, lambda r: (r["step"], r.get("task_id")))
         for row in metrics:
             evaluated = {k: v for k, v in row.items() if k.startswith("eval/")}

@@ -80,7 +80,7 @@ def create_dashboard_app(runs_dir: Path, market: MarketSource | None = None) -> 
     training = TrainingRuns(index)
     campaigns = Campaigns(Path(runs_dir))
     renderer = Renderer()
-    app = FastAPI(title="rollmarket observatory dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rollmarket dashboard", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.runs = runs
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_middleware(ServerTiming)

@@ -42,6 +42,7 @@ test: venv-test browser sandbox lint
 
 lint: venv-test
 	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
 
 # Rewrites benchmarks/results/ and then the numbers in docs/benchmarks.md from them (docs/render.py).
 bench: venv-test

@@ -526,3 +526,21 @@ def test_a_half_written_last_line_is_skipped_and_a_bad_line_is_a_typed_500(tmp_p
     response = client.get(f"/runs/{RUN_ID}.json")
     assert response.status_code == 500 and response.json()["error"]["reasons"] == ["unreadable_run"]
     assert "divergence.jsonl: line 1" in response.json()["error"]["message"]
+
+
+def test_the_console_prints_every_tile_of_the_matrix(matrix):
+    """`rollmarket observe` (and the demos' --observe) print the matrix with observatory.console:
+    every tile's token ESS, its interval and n, and the router table when the run has router rates."""
+    from rich.console import Console
+
+    from rollmarket.observatory.console import print_matrix
+
+    out = Console(record=True, width=400, color_system=None)
+    print_matrix(matrix, out)
+    text = out.export_text()
+    for cell in matrix.cells:
+        if cell.token_ess.mean is not None:
+            assert f"{cell.token_ess.mean:.4f} [{cell.token_ess.lo:.4f}, {cell.token_ess.hi:.4f}]" in text
+            assert f"n={cell.n}" in text
+    has_router = any(c.router_flip_rate is not None for c in matrix.cells)
+    assert ("router flip rate" in text) == has_router

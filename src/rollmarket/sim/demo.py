@@ -331,7 +331,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
 def observe_with_progress(settings, run_dir: Path, console: Console):
     """`run_observatory` into a demo's run directory, with a progress bar per stage; prints the matrix
     and returns it. Its settings go to observe.json: the demo's config.json stays the demo's."""
-    from ..cli.observe import print_matrix
+    from ..observatory.console import print_matrix
     from ..observatory import layout
     from ..observatory.runner import run_observatory
 

@@ -1,0 +1,54 @@
+"""The mismatch matrix as rich tables on a console (`rollmarket observe`, and the demos' --observe)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def ess_band(value: float | None) -> str:
+    if value is None:
+        return "dim"
+    return "green" if value > 0.99 else "yellow" if value >= 0.95 else "red"
+
+
+def flip_band(value: float | None) -> str:
+    if value is None:
+        return "dim"
+    return "green" if value <= 0.05 else "yellow" if value <= 0.15 else "red"
+
+
+def print_matrix(matrix, out: Console) -> None:
+    """The dense and router matrices as tables: token ESS [95% interval] and mean |Δlogp| per tile."""
+    dense = Table(title=f"token ESS (mean |Δlogp|) — rows: rollout engine, columns: trainer engine, {matrix.model}")
+    dense.add_column("rollout \\ trainer")
+    for t in matrix.trainer_engines:
+        dense.add_column(t, justify="right")
+    cells = {(c.rollout_engine, c.trainer_engine): c for c in matrix.cells}
+    for r in matrix.rollout_engines:
+        row = [r]
+        for t in matrix.trainer_engines:
+            c = cells[(r, t)]
+            e = c.token_ess
+            if e.mean is None:
+                row.append("-")
+                continue
+            row.append(f"[{ess_band(e.mean)}]{e.mean:.4f}[/] [{e.lo:.4f}, {e.hi:.4f}]\n"
+                       f"|Δ| {c.mean_abs_delta.mean:.2e}  n={c.n}{' (n<30)' if c.low_n else ''}")
+        dense.add_row(*row, end_section=True)
+    out.print(dense)
+    if any(c.router_flip_rate is not None for c in matrix.cells):
+        router = Table(title="router flip rate (top-1 expert differs per token and MoE layer)")
+        router.add_column("rollout \\ trainer")
+        for t in matrix.trainer_engines:
+            router.add_column(t, justify="right")
+        for r in matrix.rollout_engines:
+            row = [r]
+            for t in matrix.trainer_engines:
+                f = cells[(r, t)].router_flip_rate
+                c = cells[(r, t)]
+                row.append("-" if f is None or f.mean is None else
+                           f"[{flip_band(f.mean)}]{f.mean:.2%}[/] [{f.lo:.2%}, {f.hi:.2%}]\n"
+                           f"{c.tokens} tok, worst layer {c.worst_layer}")
+            router.add_row(*row, end_section=True)
+        out.print(router)

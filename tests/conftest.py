@@ -35,3 +35,25 @@ def start_exchange(tmp_path):
 def exchange(start_exchange) -> ExchangeProcess:
     """One exchange with short TTLs so that expiry paths run in test time."""
     return start_exchange("--reaper-interval-s", "0.1")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium for the dashboard's browser tests (tests/dashboard_browser.py)."""
+    from dashboard_browser import chromium
+
+    with chromium() as browser:
+        yield browser
+
+
+@pytest.fixture
+def page(browser, server):
+    """A page on the module's `server` (a dashboard process) that must throw no script error and
+    ask for nothing but that server."""
+    from dashboard_browser import open_page
+
+    context, page = open_page(browser)
+    yield page
+    assert not page.errors, page.errors
+    assert all(u.startswith(server) for u in page.requests), [u for u in page.requests if not u.startswith(server)]
+    context.close()

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -30,15 +28,13 @@ from rollmarket.contracts import (
 )
 from rollmarket.dashboard import create_dashboard_app, export_static
 from rollmarket.dashboard.metrics import METRICS
-from rollmarket.localhost import free_port, wait_healthy
 from rollmarket.observatory import layout
 from rollmarket.observatory.layout import TrajectoryView
 
+from dashboard_browser import chart_pixels, dashboard_process, open_page, shot
 from observatory_fixture import LOW_N, LOW_N_CELL, RUN_ID, write_fixture_run
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = Path("/usr/bin/chromium")
 OLD_RUN = "20250201T090000Z-0ld001"
 BROKEN_RUN = "20250101T000000Z-b40ke0"
 PROBE = "agent-0000#0@128"
@@ -299,62 +295,10 @@ def test_static_export_links_resolve(runs_dir, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make browser` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def server(runs_dir, tmp_path_factory):
     """`rollmarket dashboard` as a real process on a free loopback port."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from rollmarket.cli.dashboard import dashboard; dashboard()",
-             "--runs", str(runs_dir), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log=log)
+    with dashboard_process(runs_dir, tmp_path_factory.mktemp("dashboard") / "dashboard.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-@pytest.fixture
-def page(browser, server):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    page.requests = []
-    page.errors = []
-    page.on("request", lambda r: page.requests.append(r.url))
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    yield page
-    assert not page.errors, page.errors
-    assert all(u.startswith(server) for u in page.requests), [u for u in page.requests if not u.startswith(server)]
-    context.close()
-
-
-def shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-
-
-def chart_pixels(page, canvas_id: str) -> int:
-    """Painted (non-transparent) pixels of a canvas: zero if the chart was never drawn."""
-    return page.evaluate("""id => {
-        const c = document.getElementById(id);
-        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-        let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }""", canvas_id)
 
 
 def test_run_page_renders_tiles_and_charts(page, server, matrix):
@@ -455,11 +399,8 @@ def test_metrics_page_lists_every_metric(page, server):
 def test_static_export_works_from_files_without_network(browser, runs_dir, tmp_path, matrix):
     summary = export_static(runs_dir, tmp_path / "site")
     assert summary.runs == 2
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    requests, errors = [], []
-    page.on("request", lambda r: requests.append(r.url))
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    context, page = open_page(browser)
+    requests, errors = page.requests, page.errors
     try:
         page.goto((tmp_path / "site" / "index.html").as_uri())
         page.click(f'text="{RUN_ID}"')

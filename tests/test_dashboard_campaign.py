@@ -11,10 +11,10 @@ issue's anchor (future-research.md beside the repository, in ../shared/seeds/) a
 from __future__ import annotations
 
 import json
-import tomllib
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
@@ -28,7 +28,7 @@ from rollmarket.dashboard.metrics import METRICS
 from rollmarket.dashboard.questions import QuestionsFileError, load_questions
 from scipy import stats as scipy_stats
 
-from test_dashboard import CHROMIUM, chart_pixels, shot
+from dashboard_browser import chart_pixels, dashboard_process, open_page, shot
 
 ROOT = Path(__file__).resolve().parents[1]
 ANCHOR = ROOT.parent / "shared" / "seeds" / "future-research.md"
@@ -368,46 +368,10 @@ def test_a_bad_questions_file_is_a_typed_error(tmp_path, text, problem):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make browser` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def server(runs_dir, numbers, tmp_path_factory):
     """`rollmarket dashboard` as a real process on a free loopback port."""
-    from rollmarket.localhost import free_port, wait_healthy
-
-    port = free_port()
-    log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from rollmarket.cli.dashboard import dashboard; dashboard()",
-             "--runs", str(runs_dir), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log=log)
+    with dashboard_process(runs_dir, tmp_path_factory.mktemp("dashboard") / "dashboard.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def open_page(browser, origin: str):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    page.requests, page.errors = [], []
-    page.on("request", lambda r: page.requests.append(r.url))
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    return context, page
 
 
 def bands(page, canvas_id: str) -> list[dict]:
@@ -420,7 +384,7 @@ def bands(page, canvas_id: str) -> list[dict]:
 
 
 def test_campaign_page_draws_one_band_per_condition(browser, server, numbers):
-    context, page = open_page(browser, server)
+    context, page = open_page(browser)
     try:
         page.goto(f"{server}/campaigns/{CAMPAIGN}")
         canvases = page.locator('[data-testid="curve"]')
@@ -450,7 +414,7 @@ def test_campaign_page_draws_one_band_per_condition(browser, server, numbers):
 
 
 def test_questions_page_in_the_browser(browser, server):
-    context, page = open_page(browser, server)
+    context, page = open_page(browser)
     try:
         page.goto(f"{server}/questions")
         rows = page.locator('[data-testid="question"]')
@@ -480,7 +444,7 @@ def test_static_export_of_campaign_and_questions(browser, runs_dir, numbers, tmp
             assert (html.parent / unquote(urlsplit(target).path)).resolve().is_file(), (html, target)
     twin = json.loads((site / f"campaigns/{CAMPAIGN}.json").read_text())
     assert twin["metrics"] == ["eval/pass@1", "critic/rewards/mean"]
-    context, page = open_page(browser, "file://")
+    context, page = open_page(browser)
     try:
         page.goto((site / "campaigns" / f"{CAMPAIGN}.html").as_uri())
         assert chart_pixels(page, "curve-0") > 2000

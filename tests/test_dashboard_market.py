@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -23,17 +21,16 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from dashboard_browser import dashboard_process, open_page, shot
 from helpers import TRAINER_TOKEN, ExchangeProcess, job, lease_one, policy, ready_worker, sha, trajectories
 from rollmarket.client import Rejected
 from rollmarket.dashboard import create_dashboard_app, export_static
 from rollmarket.dashboard.market import MarketSource, db_report
 from rollmarket.contracts import RejectionReason
 from rollmarket.gate import budget_report, decide, reject
-from rollmarket.localhost import free_port, wait_healthy
+from rollmarket.localhost import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = Path("/usr/bin/chromium")
 RUN_ID = "20260101T000000Z-mkt001"
 TRAINER_ID = "trainer-m"
 
@@ -276,25 +273,6 @@ def test_an_exchange_that_does_not_answer_is_a_typed_502(tmp_path):
 # ----------------------------------------------------------------------------- in the browser
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make browser` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        yield browser
-        browser.close()
-
-
-def shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
-
-
 def chart(page, canvas_id: str) -> dict[str, list[float]]:
     """A drawn chart's datasets, label -> values, as Chart.js holds them."""
     return page.evaluate("""id => Object.fromEntries(window.Chart.getChart(document.getElementById(id))
@@ -302,47 +280,35 @@ def chart(page, canvas_id: str) -> dict[str, list[float]]:
 
 
 def test_the_page_draws_and_follows_a_running_exchange(market, browser, tmp_path):
-    port = free_port()
-    log = tmp_path / "dashboard.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rollmarket", "dashboard", "--runs", str(tmp_path), "--port", str(port),
-             "--exchange", market.exchange.url], env={**os.environ, "ROLLMARKET_TRAINER_TOKEN": TRAINER_TOKEN},
-            stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    try:
-        wait_healthy(url, proc, log=log)
-        page = context.new_page()
-        requests, errors = [], []
-        page.on("request", lambda r: requests.append(r.url))
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(url + "/market")
-        report = twin_of(market)["report"]
-        rows = page.locator('[data-testid="market-workers"] tbody tr')
-        assert rows.count() == 2 and rows.nth(0).locator("td").nth(0).inner_text() == "w1"
-        by_worker = chart(page, "chart-by-worker")
-        assert {k: sum(v) for k, v in by_worker.items()} == {
-            w["worker_id"]: sum(w["decisions"].values()) for w in report["workers"]}
-        assert chart(page, "chart-lag") == {"groups": [b["groups"] for b in report["lag_histogram"]]}
-        assert sum(sum(v) for v in chart(page, "chart-by-tier").values()) == sum(report["decisions"].values())
-        shot(page, "market")
+    env = {**os.environ, "ROLLMARKET_TRAINER_TOKEN": TRAINER_TOKEN}
+    with dashboard_process(tmp_path, tmp_path / "dashboard.log", "--exchange", market.exchange.url, env=env) as url:
+        context, page = open_page(browser)
+        requests, errors = page.requests, page.errors
+        try:
+            page.goto(url + "/market")
+            report = twin_of(market)["report"]
+            rows = page.locator('[data-testid="market-workers"] tbody tr')
+            assert rows.count() == 2 and rows.nth(0).locator("td").nth(0).inner_text() == "w1"
+            by_worker = chart(page, "chart-by-worker")
+            assert {k: sum(v) for k, v in by_worker.items()} == {
+                w["worker_id"]: sum(w["decisions"].values()) for w in report["workers"]}
+            assert chart(page, "chart-lag") == {"groups": [b["groups"] for b in report["lag_histogram"]]}
+            assert sum(sum(v) for v in chart(page, "chart-by-tier").values()) == sum(report["decisions"].values())
+            shot(page, "market")
 
-        # Live: one more group reaches the exchange; the page shows it without reloading.
-        page.evaluate("window.notReloaded = true")
-        cell = page.locator('[data-field="accepted_groups"]')
-        before = int(cell.inner_text())
-        market.deliver(market.w1, "w1", job(6, version=1), seed=6)
-        page.wait_for_function("n => document.querySelector('[data-field=\"accepted_groups\"]').textContent == n",
-                               arg=str(before + 1), timeout=60_000)
-        assert page.evaluate("window.notReloaded") is True
-        shot(page, "market-live")
-        assert not errors, errors
-        assert all(u.startswith(url) for u in requests), [u for u in requests if not u.startswith(url)]
-    finally:
-        context.close()
-        proc.terminate()
-        proc.wait(timeout=10)
+            # Live: one more group reaches the exchange; the page shows it without reloading.
+            page.evaluate("window.notReloaded = true")
+            cell = page.locator('[data-field="accepted_groups"]')
+            before = int(cell.inner_text())
+            market.deliver(market.w1, "w1", job(6, version=1), seed=6)
+            page.wait_for_function("n => document.querySelector('[data-field=\"accepted_groups\"]').textContent == n",
+                                   arg=str(before + 1), timeout=60_000)
+            assert page.evaluate("window.notReloaded") is True
+            shot(page, "market-live")
+            assert not errors, errors
+            assert all(u.startswith(url) for u in requests), [u for u in requests if not u.startswith(url)]
+        finally:
+            context.close()
 
 
 def test_the_static_export_opens_from_files(market, browser, tmp_path):
@@ -356,12 +322,9 @@ def test_the_static_export_opens_from_files(market, browser, tmp_path):
         k: v for k, v in expected.items() if k != "generated_at"}
     index = (out / "index.html").read_text()
     assert 'data-testid="nav-market"' in index
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context, page = open_page(browser)
+    requests, errors = page.requests, page.errors
     try:
-        page = context.new_page()
-        requests, errors = [], []
-        page.on("request", lambda r: requests.append(r.url))
-        page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto((out / "market.html").as_uri())
         page.wait_for_function("document.body.dataset.drawn")
         assert page.locator('[data-field="accepted_groups"]').inner_text() == str(twin["report"]["accepted_groups"])

@@ -27,11 +27,10 @@ from rollmarket.contracts.sample import SampleGroup, Trajectory
 from rollmarket.contracts.wire import packb
 from rollmarket.dashboard import create_dashboard_app, export_static
 from rollmarket.exchange.stores.sqlite import SCHEMA
-from rollmarket.localhost import free_port, wait_healthy
+
+from dashboard_browser import dashboard_process, open_page, shot
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = Path("/usr/bin/chromium")
 RUN_ID = "20260301T120000Z-r0ll0t"
 WHERE = ("exp", "runs", "grpo__s0")  # a campaign run's place under --runs
 CALL = '{"name": "calc", "arguments": {"expression": "2+3"}}'
@@ -348,40 +347,10 @@ def test_pages_load_nothing_from_the_network(client):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make browser` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def server(runs_dir, tmp_path_factory):
     """`rollmarket dashboard` as a real process on a free loopback port."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from rollmarket.cli.dashboard import dashboard; dashboard()",
-             "--runs", str(runs_dir), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log=log)
+    with dashboard_process(runs_dir, tmp_path_factory.mktemp("dashboard") / "dashboard.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 def shown_columns(page) -> list[str]:
@@ -389,11 +358,8 @@ def shown_columns(page) -> list[str]:
 
 
 def test_table_pages_chooses_columns_exports_csv_and_opens_a_row(browser, server, tmp_path):
-    context = browser.new_context(viewport={"width": 1400, "height": 900}, accept_downloads=True)
-    page = context.new_page()
-    requests, errors = [], []
-    page.on("request", lambda r: requests.append(r.url))
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    context, page = open_page(browser, accept_downloads=True)
+    requests, errors = page.requests, page.errors
     try:
         page.goto(f"{server}/train/{RUN_ID}/rollouts")
         assert page.locator("table.rollouts tbody tr").count() == 25
@@ -465,11 +431,8 @@ def test_static_export_pages_from_files(browser, runs_dir, tmp_path):
     base = tmp_path / "site" / "train" / RUN_ID
     parsed = list(csv.reader(io.StringIO((base / "rollouts.csv").read_text(encoding="utf-8"))))
     assert [int(r[0]) for r in parsed[1:]] == list(range(60))
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    requests, errors = [], []
-    page.on("request", lambda r: requests.append(r.url))
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    context, page = open_page(browser)
+    requests, errors = page.requests, page.errors
     try:
         page.goto((base / "rollouts.html").as_uri())
         assert page.locator('[data-testid="static-note"]').is_visible()

@@ -22,13 +22,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 from rollmarket.dashboard import create_dashboard_app, export_static
-from rollmarket.localhost import free_port, wait_healthy
 
+from dashboard_browser import dashboard_process, open_page, shot
 from training_fixture import write_training_run
 
 ROOT = Path(__file__).resolve().parents[1]
-ARTIFACTS = ROOT / "test-artifacts" / "dashboard"
-CHROMIUM = Path("/usr/bin/chromium")
 DONE = "20261101T100000Z-d0e001"
 OTHER = "20261102T100000Z-d0e002"
 LIVE = "20261103T100000Z-11fe01"
@@ -290,54 +288,10 @@ def test_the_training_pages_never_import_torch(runs_dir):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make browser` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
 def server(runs_dir, tmp_path_factory):
     """`rollmarket dashboard` as a real process on a free loopback port."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from rollmarket.cli.dashboard import dashboard; dashboard()",
-             "--runs", str(runs_dir), "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, log=log)
+    with dashboard_process(runs_dir, tmp_path_factory.mktemp("dashboard") / "dashboard.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-@pytest.fixture
-def page(browser, server):
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    page.errors = []
-    page.requests = []
-    page.on("request", lambda r: page.requests.append(r.url))
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    yield page
-    assert not page.errors, page.errors
-    assert all(u.startswith(server) for u in page.requests), [u for u in page.requests if not u.startswith(server)]
-    context.close()
-
-
-def shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
 def dataset_lengths(page, canvas_id: str) -> dict[str, int]:
@@ -436,11 +390,8 @@ def test_static_export_draws_training_pages_from_files(browser, runs_dir, tmp_pa
     summary = export_static(runs_dir, tmp_path / "site")
     assert summary.training == 5  # DONE, OTHER, LIVE, STALE and the demo
     assert (tmp_path / "site" / "train" / f"{DONE}.json").is_file()
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    requests, errors = [], []
-    page.on("request", lambda r: requests.append(r.url))
-    page.on("pageerror", lambda e: errors.append(str(e)))
+    context, page = open_page(browser)
+    requests, errors = page.requests, page.errors
     try:
         page.goto((tmp_path / "site" / "index.html").as_uri())
         page.click(f'a:text-is("{DONE}")')

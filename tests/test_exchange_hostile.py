@@ -566,30 +566,21 @@ def test_docs_page_assets_are_served_by_the_exchange(bed: Bed):
 def test_docs_page_renders_the_operations_offline_in_chromium(bed: Bed):
     """Headless Chromium with every request outside the exchange blocked: the page loads and lists
     the exchange's operations."""
-    chromium = Path("/usr/bin/chromium")
-    if not chromium.exists():
-        pytest.fail("/usr/bin/chromium is missing: `make browser` installs Debian's chromium")
-    from playwright.sync_api import sync_playwright
+    from dashboard_browser import chromium
 
     blocked: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(chromium), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])
-        try:
-            page = browser.new_page()
+    with chromium() as browser:
+        page = browser.new_page()
 
-            def gate(route):
-                if route.request.url.startswith(bed.server.url):
-                    return route.continue_()
-                blocked.append(route.request.url)
-                return route.abort()
+        def gate(route):
+            if route.request.url.startswith(bed.server.url):
+                return route.continue_()
+            blocked.append(route.request.url)
+            return route.abort()
 
-            page.route("**/*", gate)
-            page.goto(bed.server.url + "/docs")
-            page.wait_for_selector(".opblock-summary-path", timeout=60_000)
-            paths = page.locator(".opblock-summary-path").all_inner_texts()
-        finally:
-            browser.close()
+        page.route("**/*", gate)
+        page.goto(bed.server.url + "/docs")
+        page.wait_for_selector(".opblock-summary-path", timeout=60_000)
+        paths = page.locator(".opblock-summary-path").all_inner_texts()
     assert blocked == []
     assert any("/v1/groups" in p for p in paths) and any("/v1/leases" in p for p in paths), paths

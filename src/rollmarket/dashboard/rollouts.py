@@ -43,7 +43,8 @@ EXPORT_PAGES = 10
 EAGER_COLUMNS_BYTES = 32 << 20
 """Below this size a table's first request reads every row's columns (filters, facets) at once."""
 CACHED_RUNS = 8
-"""Indexes kept in memory at once (least recently used goes first)."""
+"""Runs whose indexes are kept in memory at once (each run: generations.jsonl and token_logprobs.jsonl;
+the least recently used goes first)."""
 
 NUMERIC = ("step", "sample_index", "policy_version", "policy_lag", "reward", "trained_reward", "advantage",
            "tokens", "clipped_tokens")
@@ -374,12 +375,16 @@ _indexes_lock = threading.Lock()
 
 def generations_index(run_dir: Path) -> GenerationsIndex:
     """The run's index, fresh as of now (cached per process, refreshed by size and mtime)."""
-    path = Path(run_dir) / GENERATIONS
+    return _line_index(Path(run_dir) / GENERATIONS)
+
+
+def _line_index(path: Path) -> GenerationsIndex:
+    """The index of any of a run's JSONL files (its offsets; columns only where a query asks for them)."""
     key = str(path.resolve())
     with _indexes_lock:
         index = _indexes.pop(key, None) or GenerationsIndex(path)  # (moved to the end: most recently used)
         _indexes[key] = index
-        while len(_indexes) > CACHED_RUNS:
+        while len(_indexes) > 2 * CACHED_RUNS:
             _indexes.popitem(last=False)
     with index.lock:
         index.refresh()
@@ -593,32 +598,23 @@ def _tool_calls(text: str) -> list[dict]:
 TOKEN_LOGPROBS = "token_logprobs.jsonl"
 
 
-@lru_cache(maxsize=CACHED_RUNS)
-def _line_offsets(key: tuple[str, int, int]) -> list[int]:
-    """The byte offset of every complete line of a file (keyed by path, size and mtime)."""
-    offsets, at = [], 0
-    with open(key[0], "rb") as f:
-        for line in f:
-            if line.endswith(b"\n"):
-                offsets.append(at)
-            at += len(line)
-    return offsets
-
-
 def _trainer_logprobs(run_dir: Path, row: int, generation: GenerationRow, n_tokens: int) -> list | None:
     """The trainer's logprob of each response token of generations row `row`: line `row` of
     token_logprobs.jsonl, which the trainer writes beside each generations row in the same order.
     None when the run did not save it or the line is not this generation's."""
     path = run_dir / TOKEN_LOGPROBS
+    if not path.is_file():
+        return None
     try:
-        st = path.stat()
-        offsets = _line_offsets((str(path), st.st_size, st.st_mtime_ns))
-        if row >= len(offsets):
-            return None
+        index = _line_index(path)  # the same line index as generations.jsonl's, so row N means the same
+        with index.lock:
+            if row >= len(index.offsets):
+                return None
+            offset = index.offsets[row]
         with open(path, "rb") as f:
-            f.seek(offsets[row])
+            f.seek(offset)
             saved = json.loads(f.readline())
-    except (OSError, ValueError):
+    except (DashboardError, OSError, ValueError):
         return None
     same = (saved.get("step"), saved.get("group_id"), saved.get("sample_index")) == (
         generation.step, generation.group_id, generation.sample_index)

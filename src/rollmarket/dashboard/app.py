@@ -25,9 +25,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 
 from ..contracts import Record
-from ..contracts.errors import ErrorBody, ErrorCode, ErrorDetail
+from ..contracts.errors import ErrorBody, ErrorDetail
 from .campaigns import Campaigns
-from .data import DashboardError, Missing, Runs, TrajectoryRef
+from .data import DashboardError, Runs, TrajectoryRef
 from .market import MarketSource, market_page
 from .metrics import metrics_page
 from .pages import STATIC, Linker, Page, Renderer
@@ -42,11 +42,9 @@ def _json(record: Record) -> Response:
 
 
 def _error_body(exc: DashboardError) -> ErrorBody:
-    code = getattr(exc, "code", None) or {Missing.unreadable_run: ErrorCode.internal,
-                                           Missing.bad_query: ErrorCode.invalid_request}.get(exc.missing,
-                                                                                             ErrorCode.not_found)
     details = {k: v for k, v in exc.details.items() if v is not None}
-    return ErrorBody(error=ErrorDetail(code=code, message=exc.message, reasons=[exc.missing.value], details=details))
+    return ErrorBody(error=ErrorDetail(code=exc.code, message=exc.message, reasons=[exc.missing.value],
+                                       details=details))
 
 
 class ServerTiming:

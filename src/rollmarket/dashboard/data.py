@@ -27,6 +27,7 @@ from ..contracts import (
     RouterMismatchReport,
     WorstToken,
 )
+from ..contracts.errors import ErrorCode
 from ..observatory import layout
 from ..observatory.layout import TrajectoryView, ViewToolCall
 
@@ -79,11 +80,22 @@ class Missing(str, Enum):
     """A file of the run (matrix.json, a report, a viewer file) does not parse (served as 500)."""
     bad_query = "bad_query"
     """A query parameter that is unknown, malformed or one the page cannot use (served as 400)."""
+    no_market = "no_market"
+    """/market without --exchange or --exchange-db, and no ?run=."""
+    exchange_unreachable = "exchange_unreachable"
+    """The exchange behind /market does not answer, or refuses the token (served as 502)."""
+    unreadable_exchange_db = "unreadable_exchange_db"
+    """The exchange database behind /market does not read (served as 502)."""
+
+
+STATUS = {Missing.bad_query: 400, Missing.unreadable_run: 500, Missing.exchange_unreachable: 502,
+          Missing.unreadable_exchange_db: 502}
+"""The HTTP status of each reason; every other one is a 404."""
 
 
 class DashboardError(Exception):
-    """A page that cannot be shown; the app turns it into a typed 404 (400 for a bad query parameter, 500 for
-    unreadable runs)."""
+    """A page that cannot be shown; the app answers it as a typed error with the reason's status
+    (STATUS: 404 unless listed)."""
 
     def __init__(self, missing: Missing, message: str, **details: Any):
         super().__init__(message)
@@ -93,7 +105,13 @@ class DashboardError(Exception):
 
     @property
     def status_code(self) -> int:
-        return {Missing.unreadable_run: 500, Missing.bad_query: 400}.get(self.missing, 404)
+        return STATUS.get(self.missing, 404)
+
+    @property
+    def code(self) -> ErrorCode:
+        """The error body's code: invalid_request for a 400, internal for a 5xx, else not_found."""
+        status = self.status_code
+        return ErrorCode.invalid_request if status == 400 else ErrorCode.internal if status >= 500 else ErrorCode.not_found
 
 
 # ----------------------------------------------------------------------------- records of the pages

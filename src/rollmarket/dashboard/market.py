@@ -13,13 +13,12 @@ import re
 import sqlite3
 import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
 from pydantic import Field
 
-from ..contracts import ErrorCode, MarketReport, Record
-from .data import DashboardError
+from ..contracts import MarketReport, Record
+from .data import DashboardError, Missing
 from .runs import RunKind
 from .runs import find_run as find_training
 
@@ -27,32 +26,6 @@ EXCHANGE_DB = "exchange.db"
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 REFRESH_S = 5.0
 """How often a served page re-reads its `.json` twin."""
-
-
-class MarketMissing(str, Enum):
-    """Why there is no marketplace to show."""
-
-    no_market = "no_market"
-    """The dashboard was started without --exchange or --exchange-db, and no ?run= was given."""
-    run = "unknown_run"
-    exchange_unreachable = "exchange_unreachable"
-    unreadable_db = "unreadable_exchange_db"
-
-
-class MarketError(DashboardError):
-    """A marketplace that cannot be shown: 404 when there is none, 502 when the exchange does not
-    answer or its database does not read."""
-
-    STATUS = {MarketMissing.no_market: 404, MarketMissing.run: 404, MarketMissing.exchange_unreachable: 502,
-              MarketMissing.unreadable_db: 502}
-
-    @property
-    def status_code(self) -> int:
-        return self.STATUS[self.missing]
-
-    @property
-    def code(self) -> ErrorCode:
-        return ErrorCode.not_found if self.status_code == 404 else ErrorCode.internal
 
 
 class MarketPage(Record):
@@ -87,7 +60,7 @@ def db_report(path: Path) -> MarketReport:
     from ..exchange.market import market_report, open_readonly
 
     if not Path(path).is_file():
-        raise MarketError(MarketMissing.unreadable_db, f"no exchange database at {path}", path=str(path))
+        raise DashboardError(Missing.unreadable_exchange_db, f"no exchange database at {path}", path=str(path))
     try:
         conn = open_readonly(Path(path))
         try:
@@ -95,7 +68,7 @@ def db_report(path: Path) -> MarketReport:
         finally:
             conn.close()
     except sqlite3.Error as exc:
-        raise MarketError(MarketMissing.unreadable_db, f"{path} does not read as an exchange database: {exc}",
+        raise DashboardError(Missing.unreadable_exchange_db, f"{path} does not read as an exchange database: {exc}",
                           path=str(path)) from exc
 
 
@@ -107,17 +80,17 @@ def exchange_report(url: str, token: str) -> MarketReport:
         with TrainerClient(url, token, timeout=10.0, retries=1, wire="json") as client:
             return client.market()
     except (ExchangeError, OSError) as exc:
-        raise MarketError(MarketMissing.exchange_unreachable, f"the exchange at {url} did not answer: {exc}",
+        raise DashboardError(Missing.exchange_unreachable, f"the exchange at {url} did not answer: {exc}",
                           exchange=url) from exc
 
 
 def find_run(runs_dir: Path, run_id: str) -> Path:
     """The training run `run_id` under runs_dir that holds an exchange.db (runs.py's discovery)."""
     if not RUN_ID.fullmatch(run_id) or run_id in (".", ".."):
-        raise MarketError(MarketMissing.run, f"{run_id!r} is not a run id", run_id=run_id[:128])
+        raise DashboardError(Missing.run, f"{run_id!r} is not a run id", run_id=run_id[:128])
     path = find_training(runs_dir, run_id, (RunKind.train, RunKind.demo), EXCHANGE_DB)
     if path is None:
-        raise MarketError(MarketMissing.run, f"no run {run_id!r} with an {EXCHANGE_DB} under {runs_dir}",
+        raise DashboardError(Missing.run, f"no run {run_id!r} with an {EXCHANGE_DB} under {runs_dir}",
                           run_id=run_id)
     return path
 
@@ -128,7 +101,7 @@ def market_page(source: MarketSource | None, runs_dir: Path, run_id: str | None 
         path = find_run(runs_dir, run_id) / EXCHANGE_DB
         return MarketPage(source="run", where=str(path), run_id=run_id, refresh_s=REFRESH_S, report=db_report(path))
     if source is None or not (source.exchange_url or source.exchange_db):
-        raise MarketError(MarketMissing.no_market, "no marketplace: start the dashboard with --exchange URL "
+        raise DashboardError(Missing.no_market, "no marketplace: start the dashboard with --exchange URL "
                                                    "--trainer-token T or --exchange-db PATH, or ask for ?run=<id>")
     if source.exchange_db is not None:
         return MarketPage(source="db", where=str(source.exchange_db), refresh_s=REFRESH_S,

@@ -287,3 +287,39 @@ def test_captured_conversations_become_runs_the_observatory_can_score(served, tm
     [cell] = matrix.cells
     assert cell.n == len(runs) and cell.token_ess.mean > 0.999  # the fp32 server scored at fp32
     assert ObservatoryMatrix.model_validate_json((tmp_path / "run" / "matrix.json").read_text()) == matrix
+
+
+def test_a_chat_model_keeps_its_calls_within_its_connection_pool():
+    """More threads than connections wait for a slot (an evaluation once ran 512 runs on one
+    instance: the pool slowed and some calls died with a transport error)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from rollmarket.agents.model import MAX_CONNECTIONS, ModelCallError
+
+    lock, in_flight, most = threading.Lock(), [0], [0]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.4)  # long enough for every thread to have started its call
+        with lock:
+            in_flight[0] -= 1
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    model = ChatModel("http://model.test/v1", "m", transport=httpx.MockTransport(handler))
+    sampling = Sampling(temperature=1.0, max_tokens=4)
+
+    def call(_):
+        with pytest.raises(ModelCallError, match="HTTP 503"):
+            model.complete([{"role": "user", "content": "hi"}], [], sampling)
+        return True
+
+    calls = MAX_CONNECTIONS + 64
+    with ThreadPoolExecutor(calls) as pool:
+        assert all(pool.map(call, range(calls)))
+    assert 1 < most[0] <= MAX_CONNECTIONS

@@ -8,6 +8,7 @@ It speaks the OpenAI chat-completions API plus the RL extensions vLLM defines
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,9 @@ class Sampling:
 _OVERFLOW_WORDS = ("context", "maximum", "too long", "exceeds")
 
 
+MAX_CONNECTIONS = 256
+"""Connections (and so calls in flight) of one ChatModel."""
+
 class ChatModel:
     """A chat-completions endpoint. Thread-safe: one instance serves all of a group's runs.
 
@@ -76,7 +80,11 @@ class ChatModel:
         if api_key:
             hdrs["authorization"] = f"Bearer {api_key}"
         self.http = httpx.Client(timeout=timeout, headers=hdrs, transport=transport,
-                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                 limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=64))
+        # More threads than connections made httpx's pool slow, and some calls died with a ReadError
+        # (bad file descriptor): 512 agent runs at once on one instance, 2026-11-26. Calls beyond the
+        # pool wait here for a connection instead.
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.extensions = extensions
         self.routed_experts = routed_experts
         self._model = model
@@ -127,7 +135,8 @@ class ChatModel:
         body = self.request_body(messages, tools, sampling, seed)
         started = time.perf_counter()
         try:
-            answer = self.http.post(self.base_url + "/chat/completions", json=body, headers=headers)
+            with self._slots:
+                answer = self.http.post(self.base_url + "/chat/completions", json=body, headers=headers)
         except httpx.HTTPError as exc:
             raise ModelCallError(f"{type(exc).__name__}: {exc}") from None
         latency = time.perf_counter() - started

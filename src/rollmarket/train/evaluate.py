@@ -21,11 +21,10 @@ from ..verifiers import verify_trajectory
 from ..verifiers.profile import pass_at_k
 
 MAX_IN_FLIGHT = 128
-"""Agent runs in flight at once. At 512 (32 tasks × 16 samples, before this cap) runs queued for
-the client's 256 connections, the evaluation took 340 s instead of ~40 s, and 18 of 3,136 runs
-ended in model_error (httpx ReadError, bad file descriptor) and so counted as failed (2026-11-26).
-The server batches at most 64 sequences anyway. Every run has its own seed, so the cap sets the
-speed, not the samples (64, 128 and 256 in flight gave identical results)."""
+"""Agent runs in flight at once (threads). The server batches at most 64 sequences, so more only
+queue; ChatModel itself holds calls beyond its connection pool (at 512 runs an evaluation once
+slowed ~7x and lost runs to transport errors, 2026-11-26). Every run has its own seed: this sets the
+speed, not the samples."""
 
 
 def _passed(run) -> bool:

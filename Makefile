@@ -4,14 +4,14 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint venv venv-test browser sandbox bench models schema clean
+.PHONY: demo test lint venv venv-test browser sandbox postgres bench models schema clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e ".[ml]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
@@ -37,7 +37,12 @@ sandbox:
 	@command -v bwrap >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y bubblewrap; }
 
-test: venv-test browser sandbox lint
+# The PostgreSQL tests start throwaway clusters from Debian's server binaries (tests/postgres.py).
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
+
+test: venv-test browser sandbox postgres lint
 	$(BIN)/python -m pytest
 
 lint: venv-test

@@ -57,3 +57,18 @@ def page(browser, server):
     assert not page.errors, page.errors
     assert all(u.startswith(server) for u in page.requests), [u for u in page.requests if not u.startswith(server)]
     context.close()
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """One throwaway PostgreSQL cluster for the session (tests/postgres.py)."""
+    from postgres import Cluster
+
+    with Cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def postgres_url(pg_cluster) -> str:
+    """A fresh, empty database on the session's cluster."""
+    return pg_cluster.create_database()

@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import math
 import queue
 import sqlite3
 import threading
@@ -25,7 +24,6 @@ from typing import Any, TypeVar
 from ...contracts import (
     AuditEvent,
     AuditPage,
-    DecisionStatus,
     EnqueueReceipt,
     ErrorCode,
     FailureReport,
@@ -54,7 +52,8 @@ from ...contracts import (
     new_id,
 )
 from ...gate import Finding, check_against_lease, load_public_key, triage_on_arrival
-from ..dispatch import job_mismatch, lease_requirements, policy_mismatch, worker_score
+from .. import rules
+from ..dispatch import job_mismatch, lease_requirements, policy_mismatch
 from ..errors import ExchangeFault
 from ..market import market_report
 from ..settings import ExchangeSettings
@@ -445,11 +444,8 @@ class SqliteStore(Store):
         """(acks needed, acks present) for `version` among live workers."""
         override = conn.execute("SELECT quorum FROM policies WHERE version=?", (version,)).fetchone()
         alive = conn.execute("SELECT COUNT(*) FROM workers WHERE status='alive'").fetchone()[0]
-        if override is not None and override[0] is not None:
-            needed = int(override[0])
-        else:
-            needed = max(self.settings.reload_quorum_min,
-                         math.ceil(self.settings.reload_quorum_fraction * alive))
+        needed = rules.quorum_needed(alive, None if override is None else override[0],
+                                     self.settings.reload_quorum_fraction, self.settings.reload_quorum_min)
         acks = conn.execute(
             "SELECT COUNT(*) FROM workers WHERE status='alive' AND loaded_version=?", (version,)
         ).fetchone()[0]
@@ -460,7 +456,7 @@ class SqliteStore(Store):
         if published is None or published == active:
             return None
         needed, acks = self._quorum(conn, published)
-        if acks < needed:
+        if not rules.activates(active, published, needed, acks):
             return None
         conn.execute("UPDATE pool SET active_version=? WHERE id=1", (published,))
         conn.execute("UPDATE policies SET activated_at=? WHERE version=?", (now, published))
@@ -478,15 +474,14 @@ class SqliteStore(Store):
         self._audit(conn, now, f"lease.{state.value}", actor, lease_id,
                     {"job_id": job_id, "worker_id": worker_id, **(detail or {})})
         job = conn.execute("SELECT attempts, deadline FROM jobs WHERE job_id=?", (job_id,)).fetchone()
-        past_deadline = job["deadline"] is not None and job["deadline"] <= now
-        if retry and job["attempts"] < self.settings.max_attempts and not past_deadline:
+        new_state = rules.end_of_lease(retry, job["attempts"], self.settings.max_attempts, job["deadline"], now)
+        if new_state == "queued":
             conn.execute("UPDATE jobs SET state='queued', queued_at=? WHERE job_id=?", (now, job_id))
             self._audit(conn, now, "job.requeued", actor, job_id,
                         {"after": state.value, "lease_id": lease_id, "attempts": job["attempts"]})
             if result is not None:
                 result.requeued_jobs.append(job_id)
             return "queued"
-        new_state = "expired" if past_deadline else "failed"
         conn.execute("UPDATE jobs SET state=? WHERE job_id=?", (new_state, job_id))
         self._audit(conn, now, f"job.{new_state}", actor, job_id,
                     {"after": state.value, "lease_id": lease_id, "attempts": job["attempts"]})
@@ -499,10 +494,13 @@ class SqliteStore(Store):
         """A rejection stores nothing of the group, but it counts against the worker's quality
         (as a feedback score of 0) so that dispatch stops preferring it."""
         reasons = list(dict.fromkeys(f.reason.value for f in findings))
-        conn.execute(
-            "UPDATE workers SET quality = (1 - :a) * quality, rejected_count = rejected_count + 1"
-            " WHERE worker_id = :w", {"a": self.settings.feedback_alpha, "w": group.worker_id},
-        )
+        quality = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (group.worker_id,)).fetchone()
+        if quality is not None:
+            conn.execute(
+                "UPDATE workers SET quality=?, rejected_count=rejected_count+1 WHERE worker_id=?",
+                (rules.updated_quality(quality[0], rules.REJECTED_SCORE, self.settings.feedback_alpha),
+                 group.worker_id),
+            )
         self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id,
                     {"group_id": group.group_id, "reasons": reasons})
 
@@ -576,12 +574,8 @@ class SqliteStore(Store):
         for row in rows:
             manifest = self._manifest(conn, row["worker_id"])
             if row["active_leases"] < manifest.max_concurrent_groups and policy_mismatch(manifest, policy) is None:
-                candidates.append(row)
-        max_price = max((row["price"] for row in candidates), default=0.0)
-        return {
-            row["worker_id"]: worker_score(row["quality"], row["price"], max_price, self.settings.price_weight)
-            for row in candidates
-        }
+                candidates.append((row["worker_id"], row["quality"], row["price"]))
+        return rules.competitor_scores(candidates, self.settings.price_weight)
 
     _JOB_MATCH = (
         " FROM jobs WHERE state='queued' AND policy_version <= :active"
@@ -603,25 +597,15 @@ class SqliteStore(Store):
             if latest is None:
                 return LeaseGrant(reason=NoLeaseReason.no_policy, retry_after_s=1.0,
                                   detail="no policy has been published yet")
-            loaded = row["loaded_version"]
-            # A worker that declared max_reload_lag (a slow host that reloads every few versions) goes
-            # on leasing at the version it runs while that is at most max_reload_lag behind the
-            # published one and already active; its groups carry that version, so their lag is real.
-            lagging = (loaded is not None and active is not None and loaded < published and loaded <= active
-                       and published - loaded <= manifest.max_reload_lag)
-            if lagging:
-                policy = self._policy(conn, loaded)
-            else:
-                # Workers otherwise always move to the newest published version; leases flow again
-                # once the reload quorum has made that version active.
-                if loaded != published:
-                    return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest, retry_after_s=0.5,
-                                      detail=f"load policy version {published} and ack it before leasing")
-                if active != published:
-                    needed, acks = self._quorum(conn, published)
-                    return LeaseGrant(reason=NoLeaseReason.awaiting_quorum, policy=latest, retry_after_s=0.2,
-                                      detail=f"version {published} has {acks}/{needed} reload acks")
-                policy = latest
+            chosen = rules.lease_version(row["loaded_version"], active, published, manifest.max_reload_lag)
+            if chosen.refusal is NoLeaseReason.reload_required:
+                return LeaseGrant(reason=NoLeaseReason.reload_required, policy=latest, retry_after_s=0.5,
+                                  detail=f"load policy version {published} and ack it before leasing")
+            if chosen.refusal is NoLeaseReason.awaiting_quorum:
+                needed, acks = self._quorum(conn, published)
+                return LeaseGrant(reason=NoLeaseReason.awaiting_quorum, policy=latest, retry_after_s=0.2,
+                                  detail=f"version {published} has {acks}/{needed} reload acks")
+            policy = self._policy(conn, chosen.version)
             mismatch = policy_mismatch(manifest, policy)
             if mismatch:
                 return LeaseGrant(reason=NoLeaseReason.no_matching_jobs, detail=mismatch, retry_after_s=5.0)
@@ -639,9 +623,7 @@ class SqliteStore(Store):
                 "engine": manifest.engine_name,
             }
             order = " ORDER BY priority DESC, queued_at, rowid LIMIT 1"
-            scores = self._competitors(conn, policy)
-            scores.setdefault(worker_id, 0.0)
-            better_ids = [w for w, s in scores.items() if s > scores[worker_id]]
+            better_ids = rules.better_ranked(self._competitors(conn, policy), worker_id)
             available = 0
             if better_ids:
                 available = conn.execute(
@@ -657,7 +639,7 @@ class SqliteStore(Store):
                     better_ids = [w for w in better_ids
                                   if any(job_mismatch(self._manifest(conn, w), j, policy) is None for j in mine)]
             better = len(better_ids)
-            if better == 0 or available > better:
+            if not rules.must_hold(better, available):
                 job = conn.execute("SELECT job_id, body" + self._JOB_MATCH + order, params).fetchone()
             else:
                 # Leave the matching jobs to the better-ranked workers free to take them until a
@@ -745,7 +727,7 @@ class SqliteStore(Store):
                 self._record_rejection(conn, now, group, all_findings)
                 return SubmitOutcome(receipt=None, rejected=all_findings)
             active, _ = self._pool(conn)
-            lag = max(0, (active or 0) - group.policy_version)
+            lag = rules.arrival_lag(active, group.policy_version)
             tier, reasons = triage_on_arrival(lag, self.settings.gate)
             tokens = group.num_response_tokens
             receipt = SubmissionReceipt(
@@ -863,21 +845,12 @@ class SqliteStore(Store):
     # -- trainer --------------------------------------------------------------------------
     async def publish_policy(self, manifest: PolicyManifest, quorum: int | None, now: float) -> PoolStatus:
         def tx(conn: sqlite3.Connection) -> None:
-            existing = conn.execute("SELECT manifest FROM policies WHERE version=?",
-                                    (manifest.policy_version,)).fetchone()
-            if existing is not None:
-                # The same content again (created_at aside: a retry or a resumed trainer builds
-                # the manifest anew) is a no-op; other content under the version is a conflict.
-                stored = PolicyManifest.model_validate_json(existing[0])
-                if stored.model_copy(update={"created_at": manifest.created_at}) == manifest:
-                    return
-                raise _fault(ErrorCode.version_conflict,
-                             f"policy version {manifest.policy_version} was already published with other content")
             _, published = self._pool(conn)
-            if published is not None and manifest.policy_version <= published:
-                raise _fault(ErrorCode.version_conflict,
-                             f"policy version {manifest.policy_version} is not newer than {published}",
-                             published_version=published)
+            refusal = rules.publish_refusal(manifest, self._policy(conn, manifest.policy_version), published)
+            if refusal == "":
+                return
+            if refusal is not None:
+                raise _fault(ErrorCode.version_conflict, refusal, published_version=published)
             if manifest.parent_version is not None and manifest.parent_version >= manifest.policy_version:
                 raise _fault(ErrorCode.invalid_request, "parent_version must be older than policy_version")
             conn.execute(
@@ -964,17 +937,17 @@ class SqliteStore(Store):
             if query.policy_version is not None:
                 where.append("g.policy_version = :version")
                 params["version"] = query.policy_version
-            if query.max_staleness is not None and active is not None:
+            window = rules.fetch_window(active, query.max_staleness, query.include_served, now,
+                                        self.settings.redeliver_after_s)
+            if window.oldest_version is not None:
                 where.append("g.policy_version >= :oldest")
-                params["oldest"] = active - query.max_staleness
+                params["oldest"] = window.oldest_version
             if query.precision_class is not None:
                 where.append("g.precision_class = :precision")
                 params["precision"] = query.precision_class
-            if not query.include_served:
-                # Served but undecided groups come back after redeliver_after_s: a fetch whose
-                # answer was lost in transit cannot lose groups.
+            if window.redeliver_before is not None:
                 where.append("(s.group_id IS NULL OR s.last_at <= :redeliver)")
-                params["redeliver"] = now - self.settings.redeliver_after_s
+                params["redeliver"] = window.redeliver_before
             # Served-ness is per tier: a group a decision moved to replay can be served from there.
             base = (" FROM groups g LEFT JOIN served s ON s.group_id = g.group_id"
                     " AND s.trainer_id = :trainer AND s.tier = g.tier"
@@ -1037,14 +1010,8 @@ class SqliteStore(Store):
                 "INSERT INTO decisions (group_id, trainer_id, status, body, decided_at) VALUES (?, ?, ?, ?, ?)",
                 (group_id, trainer_id, decision.status.value, decision.model_dump_json(), now),
             )
-            if decision.status in (DecisionStatus.train, DecisionStatus.train_with_correction):
-                status = "consumed"
-            elif decision.status is DecisionStatus.replay:
-                tier = Tier.replay.value
-            elif decision.status is DecisionStatus.quarantine:
-                tier = Tier.quarantine.value
-            else:
-                status = "dropped"
+            placed, status = rules.placement(decision.status, Tier(tier), status)
+            tier = placed.value
             conn.execute("UPDATE groups SET tier=?, status=? WHERE group_id=?", (tier, status, group_id))
             self._audit(conn, now, "group.decided", trainer_id, group_id, {
                 "status": decision.status.value, "reasons": [r.value for r in decision.reasons],
@@ -1055,8 +1022,7 @@ class SqliteStore(Store):
         worker = conn.execute("SELECT quality FROM workers WHERE worker_id=?", (row["worker_id"],)).fetchone()
         quality = worker["quality"]
         if feedback is not None:
-            alpha = self.settings.feedback_alpha
-            quality = (1 - alpha) * quality + alpha * feedback.score
+            quality = rules.updated_quality(quality, feedback.score, self.settings.feedback_alpha)
             conn.execute(
                 "UPDATE workers SET quality=?, feedback_count=feedback_count+1 WHERE worker_id=?",
                 (quality, row["worker_id"]),
@@ -1092,9 +1058,8 @@ class SqliteStore(Store):
                 self._end_lease(conn, now, row["lease_id"], row["job_id"], row["worker_id"],
                                 LeaseState.expired, retry=True, actor="reaper", result=result)
                 result.expired_leases.append(row["lease_id"])
-            # After a restart every worker gets one full TTL of grace from the moment we started.
-            cutoff = now - self.settings.heartbeat_ttl_s
-            if self._started_at <= cutoff:
+            cutoff = rules.heartbeat_cutoff(now, self._started_at, self.settings.heartbeat_ttl_s)
+            if cutoff is not None:
                 for row in conn.execute(
                     "SELECT worker_id, last_heartbeat_at FROM workers WHERE status='alive' AND last_heartbeat_at < ?",
                     (cutoff,),

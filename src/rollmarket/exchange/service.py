@@ -39,7 +39,7 @@ from .errors import ExchangeFault
 from .metrics import ExchangeMetrics
 from .settings import ExchangeSettings
 from .store import FetchBatch, FetchFilter, ReapResult, Store, StoredGroup
-from .stores.sqlite import SqliteStore
+from .stores import open_store
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Exchange:
 
     def __init__(self, settings: ExchangeSettings, store: Store | None = None):
         self.settings = settings
-        self.store = store or SqliteStore(settings.db, settings)
+        self.store = store or open_store(settings.db, settings)
         self.metrics = ExchangeMetrics()
         self._token_hashes: dict[str, str] = {}
         self._work = asyncio.Event()

@@ -133,6 +133,21 @@ def migrate(conn: psycopg.Connection) -> list[int]:
         conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
 
 
+def prepare(url: str) -> None:
+    """Check that `url` names a reachable PostgreSQL database and bring its schema up to date;
+    a StoreError says what is wrong (a bad URL, a server that is down or refuses us)."""
+    where = redact_url(url)
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise StoreError(f"not a PostgreSQL URL: {where} ({exc})") from None
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)) as conn:
+            migrate(conn)
+    except psycopg.OperationalError as exc:
+        raise StoreError(f"cannot connect to PostgreSQL at {where}: {str(exc).strip()}") from None
+
+
 class PostgresStore(SqlStore):
     """The exchange's state in a PostgreSQL database, shareable by several exchange processes."""
 
@@ -213,15 +228,7 @@ class PostgresStore(SqlStore):
         await self._write(init)
 
     def _connect(self) -> None:
-        try:
-            conninfo_to_dict(self.url)
-        except psycopg.ProgrammingError as exc:
-            raise StoreError(f"not a PostgreSQL URL: {self.where} ({exc})") from None
-        try:
-            with psycopg.connect(self.url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)) as conn:
-                migrate(conn)
-        except psycopg.OperationalError as exc:
-            raise StoreError(f"cannot connect to PostgreSQL at {self.where}: {str(exc).strip()}") from None
+        prepare(self.url)
         pool = ConnectionPool(self.url, min_size=1, max_size=POOL_SIZE, open=False,
                               kwargs={"autocommit": True}, configure=self._configure,
                               name="rollmarket-exchange")

@@ -30,12 +30,15 @@ def rows(url: str, sql: str) -> list[tuple]:
 
 
 def test_replicas_that_open_together_migrate_once(postgres_url):
+    """…and the settings they record name the database without its password (the throwaway
+    cluster trusts loopback, so any password connects)."""
+    with_password = postgres_url.replace("postgres@", "postgres:hunter2@")
     drivers: list[Driver] = []
     errors: list[BaseException] = []
 
     def open_one():
         try:
-            drivers.append(Driver(postgres_url))
+            drivers.append(Driver(with_password))
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -49,6 +52,9 @@ def test_replicas_that_open_together_migrate_once(postgres_url):
         assert rows(postgres_url, "SELECT version FROM schema_version ORDER BY version") == [
             (version,) for version, _, _ in migrations()]
         assert rows(postgres_url, "SELECT COUNT(*) FROM audit WHERE kind = 'exchange.started'") == [(4,)]
+        recorded = rows(postgres_url, "SELECT data FROM audit UNION ALL SELECT value FROM meta")
+        assert recorded and not any("hunter2" in row[0] for row in recorded)
+        assert any(with_password.replace("hunter2", "***") in row[0] for row in recorded)
     finally:
         for driver in drivers:
             driver.close()

@@ -191,6 +191,8 @@ class PostgresStore(SqlStore):
                             result = fn(_Conn(conn))
                         except Refusal as kept:  # commit what it wrote, then refuse
                             refusal = kept
+                    if self.on_batch is not None:
+                        self.on_batch(1)  # one call, one transaction: every batch is of one
                     if refusal is not None:
                         raise refusal.fault
                     return result

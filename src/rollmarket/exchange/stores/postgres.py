@@ -9,8 +9,8 @@ What keeps replicas correct lives in the database, not in a process: a job to le
 ``SELECT … FOR UPDATE SKIP LOCKED`` and a partial unique index allows one issued lease per job; a
 row a transaction goes on to change is read ``FOR UPDATE``; unique constraints refuse a second
 group for a lease or a group id and a second job for an idempotency key; a transaction that loses
-such a race (or a deadlock, or its connection) is run again from the start and then sees the
-winner's row (a resubmitted group gets the first receipt). Audit events take a transaction-level
+such a race (or a deadlock, or its connection before COMMIT) is run again from the start and then
+sees the winner's row (a resubmitted group gets the first receipt). Audit events take a transaction-level
 advisory lock first, so their sequence numbers are in commit order and `since_seq` paging never
 skips one. The schema is versioned SQL files in `migrations/postgres/`, applied in order at open
 under a session advisory lock, so replicas that start together migrate once.
@@ -181,6 +181,7 @@ class PostgresStore(SqlStore):
         races = 0
         gone_since: float | None = None
         while True:
+            committing = False
             try:
                 with self._connections.connection(timeout=CONNECT_TIMEOUT_S) as conn:
                     if not write:
@@ -191,6 +192,7 @@ class PostgresStore(SqlStore):
                             result = fn(_Conn(conn))
                         except Refusal as kept:  # commit what it wrote, then refuse
                             refusal = kept
+                        committing = True
                     if self.on_batch is not None:
                         self.on_batch(1)  # one call, one transaction: every batch is of one
                     if refusal is not None:
@@ -203,9 +205,13 @@ class PostgresStore(SqlStore):
                 log.debug("transaction lost a race (%s); running it again", type(exc).__name__)
                 time.sleep(0.005 * races)
             except _GONE as exc:
-                # A restart of PostgreSQL: wait for it. A write whose COMMIT was sent but not
-                # answered may have committed; running it again is what the client's own retry
-                # would do, and every write is idempotent or harmless twice (a second lease expires).
+                if committing:
+                    # The COMMIT was sent and not answered: it may have committed. Running the
+                    # call again could apply it twice, so the caller hears that the outcome is
+                    # unknown (a 500) and retries through the idempotent API if it needs to.
+                    raise StoreError(f"PostgreSQL at {self.where} went away during COMMIT: {exc}") from exc
+                # Nothing was committed (the transaction died with its connection): wait out a
+                # restart of PostgreSQL, then run the call again from the start.
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > UNAVAILABLE_RETRY_S:
                     raise StoreError(f"PostgreSQL at {self.where} is unavailable: {exc}") from exc

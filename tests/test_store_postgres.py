@@ -107,6 +107,39 @@ def test_two_replicas_never_lease_a_job_twice_and_store_one_group(postgres_url):
         second.close()
 
 
+def test_replicas_reaping_at_once_end_each_lease_once(postgres_url):
+    """Every replica reaps at start (and B's leader election aside, two may overlap): the rows
+    are locked and re-read, so a lease expires once and its job is requeued once."""
+    first, second = Driver(postgres_url), Driver(postgres_url)
+    try:
+        published(first)
+        for worker_id in ("w1", "w2", "w3"):
+            first.ready(worker_id, max_concurrent_groups=4)
+        first.run(first.store.enqueue([job(i) for i in range(9)], T0))
+        for worker_id in ("w1", "w2", "w3"):
+            for _ in range(3):
+                assert first.lease(worker_id).lease is not None
+        results: list = []
+
+        def reap(driver: Driver):
+            results.append(driver.run(driver.store.reap(T0 + 1 + 60.0)))
+
+        threads = [threading.Thread(target=reap, args=(d,)) for d in (first, second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        expired = [lease_id for r in results for lease_id in r.expired_leases]
+        assert len(expired) == len(set(expired)) == 9
+        assert rows(postgres_url, "SELECT kind, COUNT(*) FROM audit WHERE kind IN ('lease.expired', 'job.requeued')"
+                                  " GROUP BY kind ORDER BY kind") == [("job.requeued", 9), ("lease.expired", 9)]
+        assert rows(postgres_url, "SELECT state, attempts, COUNT(*) FROM jobs GROUP BY state, attempts") == [
+            ("queued", 1, 9)]
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_bad_url_or_a_server_that_is_down_is_a_typed_error(pg_cluster):
     down = f"postgresql://someone:secret@127.0.0.1:{pg_cluster.port + 1}/nothing"
     with pytest.raises(StoreError) as refused:

@@ -1,0 +1,364 @@
+"""Rollout workers as Ray actors on a Ray cluster someone already runs: `rollmarket pool`.
+
+    driver (the CLI) ─► PoolSupervisor, a named detached actor "NAME" in namespace "rollmarket"
+                            keeps `target` WorkerActors alive, one per slot:
+                            an actor that dies (preempted node, kill -9, OOM) gets a successor in its slot
+                            under a new worker id; scale(n) adds slots or drains the highest ones
+                        ─► WorkerActor = one AgentWorker (rollmarket worker) in a Ray worker process
+
+A dead actor's leases are the exchange's business, as for any worker that vanishes: its heartbeats
+stop, the reaper marks it dead and abandons its leases (or they expire), and their jobs go back to
+the queue. A successor never reuses a worker id (the exchange refuses a second registration of
+one), so the books say which incarnation did what. Every worker's manifest names the pool, so the
+exchange and the marketplace page show the pool's size.
+
+The supervisor is detached: the pool outlives the command that started it, and any machine that
+can reach the cluster can scale, inspect or stop it by name (`rollmarket pool scale|status|stop`).
+Workers are owned by the supervisor, so stopping (or killing) it takes them down too. Ray is an
+extra (`rollmarket[ray]`) imported only here, on use.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
+
+from ..contracts.base import ID_PATTERN
+from .host import HostSpec
+from .runner import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "rollmarket"
+"""The Ray namespace pools live in, so that `pool status NAME` finds them from any driver."""
+
+
+class PoolError(RuntimeError):
+    """A pool could not be started, found or changed."""
+
+
+class RayMissing(PoolError):
+    """Ray is not installed: it is the `rollmarket[ray]` extra."""
+
+
+class PoolNotFound(PoolError):
+    """No pool of that name runs on the cluster."""
+
+
+class PoolExists(PoolError):
+    """A pool of that name already runs on the cluster."""
+
+
+def import_ray():
+    """`ray`, or RayMissing naming the extra that brings it."""
+    try:
+        import ray
+    except ImportError:
+        raise RayMissing("Ray worker pools need Ray: pip install 'rollmarket[ray]'") from None
+    return ray
+
+
+class PoolSettings(BaseModel):
+    """What a pool runs: how many workers, on which model, with which worker settings (saved with it)."""
+
+    name: str = Field("rollmarket", min_length=1, max_length=64, pattern=ID_PATTERN,
+                      description="The pool's name on the cluster and on the exchange.")
+    workers: int = Field(1, ge=0, le=1024, description="Worker actors to keep alive.")
+    host: HostSpec = Field(description="The model each worker samples from (a path or URL as the actors see it).")
+    worker: WorkerSettings = Field(default_factory=WorkerSettings, description="Settings of every worker.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs each worker actor reserves on the cluster (fractions allowed).")
+    check_s: float = Field(0.5, gt=0, description="How often the supervisor looks for dead actors.")
+    drain_s: float = Field(30.0, ge=0, description="How long a worker being scaled away may take to hand back "
+                                                   "its lease before it is killed.")
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One slot of a pool as the supervisor sees it."""
+
+    slot: int
+    worker_id: str
+    generation: int
+    """0 for the slot's first actor, +1 per restart."""
+    state: str
+    """starting, running, draining (scaled away, handing back its lease) or finished (max_groups)."""
+    pid: int | None
+    """The actor's process id, once it answered."""
+    submitted: int | None
+    """Groups this incarnation submitted, as it last answered."""
+
+
+@dataclass(frozen=True)
+class PoolEvent:
+    """Something the supervisor did: started, restarted (with why), drained or finished a worker."""
+
+    at: float
+    kind: str
+    slot: int
+    worker_id: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class PoolReport:
+    """`pool status`: the target, each slot, and the restarts so far."""
+
+    name: str
+    target: int
+    slots: tuple[SlotState, ...]
+    restarts: int
+    events: tuple[PoolEvent, ...]
+    stopping: bool
+    model: str
+    exchange: str
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self.slots if s.state == "running")
+
+
+class WorkerActor:
+    """One rollout worker in a Ray worker process. `run()` blocks for the worker's life; the
+    actor is threaded so that `stop()` and `progress()` answer meanwhile."""
+
+    def __init__(self, host: HostSpec, settings: WorkerSettings):
+        from .runner import AgentWorker
+
+        self._stop = threading.Event()
+        self._host = host.open()
+        self._worker = AgentWorker(settings, self._host)
+
+    def run(self) -> int:
+        try:
+            return self._worker.run(self._stop)
+        finally:
+            self._host.close()
+            self._worker.events.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def progress(self) -> tuple[int, int]:
+        """(process id, groups submitted)."""
+        return os.getpid(), self._worker.submitted
+
+
+@dataclass
+class _Slot:
+    slot: int
+    generation: int
+    worker_id: str
+    actor: object
+    done: object  # the ObjectRef of actor.run(): ready when the worker ends or the actor dies
+    state: str = "starting"
+    pid: int | None = None
+    submitted: int | None = None
+    drain_deadline: float | None = None
+
+
+class PoolSupervisor:
+    """Keeps `target` WorkerActors alive; runs as a named, detached, threaded Ray actor."""
+
+    def __init__(self, settings: PoolSettings):
+        self.ray = import_ray()
+        self.settings = settings
+        self.target = settings.workers
+        self.slots: dict[int, _Slot] = {}
+        self.restarts = 0
+        self.events: deque[PoolEvent] = deque(maxlen=200)
+        self.stopping = False
+        self._lock = threading.Lock()
+        self._actor_cls = self.ray.remote(WorkerActor).options(
+            num_cpus=settings.num_cpus, max_concurrency=4, max_restarts=0)
+        self._loop = threading.Thread(target=self._supervise, daemon=True, name="pool-supervisor")
+        self._loop.start()
+
+    # -- what drivers call ------------------------------------------------------------------------
+
+    def scale(self, workers: int) -> int:
+        """Set the number of workers to keep alive; returns the previous target."""
+        if workers < 0:
+            raise ValueError("a pool cannot have fewer than 0 workers")
+        with self._lock:
+            previous, self.target = self.target, workers
+        return previous
+
+    def report(self) -> PoolReport:
+        with self._lock:
+            slots = tuple(SlotState(s.slot, s.worker_id, s.generation, s.state, s.pid, s.submitted)
+                          for s in sorted(self.slots.values(), key=lambda s: s.slot))
+            return PoolReport(self.settings.name, self.target, slots, self.restarts, tuple(self.events),
+                              self.stopping, self.settings.host.label, self.settings.worker.exchange)
+
+    def shutdown(self, timeout_s: float) -> PoolReport:
+        """Drain every worker (their leases go back to the exchange) and wait up to `timeout_s`."""
+        with self._lock:
+            self.stopping, self.target = True, 0
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(s.state == "finished" for s in self.slots.values()):
+                    break
+            time.sleep(self.settings.check_s / 2)
+        report = self.report()
+        with self._lock:
+            for slot in self.slots.values():  # finished ones, and any past the deadline
+                self.ray.kill(slot.actor)
+        return report
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        while True:
+            try:
+                self._step()
+            except Exception:  # the supervisor must outlive any one bad step
+                log.exception("pool supervisor step failed")
+            time.sleep(self.settings.check_s)
+
+    def _step(self) -> None:
+        with self._lock:
+            refs = {s.done: s for s in self.slots.values() if s.state != "finished"}
+        if refs:
+            ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=0)
+            for ref in ready:
+                self._ended(refs[ref], ref)
+        self._refresh_progress()
+        with self._lock:
+            live = sorted(s.slot for s in self.slots.values() if s.state != "draining" and s.state != "finished")
+            counted = live + [s.slot for s in self.slots.values() if s.state == "finished"]
+            missing = self.target - len(counted)
+            if missing > 0:
+                free = [i for i in range(self.target + len(self.slots)) if i not in self.slots][:missing]
+                for index in free:
+                    self._start(index, generation=0)
+            elif missing < 0:
+                for index in sorted(live, reverse=True)[:-missing]:
+                    slot = self.slots[index]
+                    slot.state, slot.drain_deadline = "draining", time.monotonic() + self.settings.drain_s
+                    slot.actor.stop.remote()
+                    self.events.append(PoolEvent(time.time(), "draining", index, slot.worker_id))
+            for slot in list(self.slots.values()):
+                if slot.state == "draining" and time.monotonic() > slot.drain_deadline:
+                    self.ray.kill(slot.actor)
+
+    def _ended(self, slot: _Slot, ref) -> None:
+        """The slot's actor returned or died: drop it, or start its successor."""
+        try:
+            self.ray.get(ref)
+            why = None
+        except Exception as exc:  # RayActorError (died), or the worker raised
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        with self._lock:
+            if slot.state == "draining" or self.stopping:
+                self.ray.kill(slot.actor)
+                del self.slots[slot.slot]
+                self.events.append(PoolEvent(time.time(), "drained", slot.slot, slot.worker_id))
+            elif why is None:  # the worker chose to stop (max_groups): the slot is done
+                slot.state = "finished"
+                self.events.append(PoolEvent(time.time(), "finished", slot.slot, slot.worker_id))
+            else:
+                self.ray.kill(slot.actor)
+                self.restarts += 1
+                self.events.append(PoolEvent(time.time(), "died", slot.slot, slot.worker_id, why))
+                self._start(slot.slot, slot.generation + 1)
+
+    def _start(self, index: int, generation: int) -> None:
+        # A fresh id per incarnation: the exchange refuses to register an id twice.
+        worker_id = f"{self.settings.name}-{index}-{secrets.token_hex(3)}"
+        settings = self.settings.worker.model_copy(update={"worker_id": worker_id, "pool": self.settings.name})
+        actor = self._actor_cls.remote(self.settings.host, settings)
+        self.slots[index] = _Slot(index, generation, worker_id, actor, actor.run.remote())
+        self.events.append(PoolEvent(time.time(), "started" if generation == 0 else "restarted", index, worker_id))
+
+    def _refresh_progress(self) -> None:
+        with self._lock:
+            asked = {s.slot: (s, s.actor.progress.remote()) for s in self.slots.values() if s.state != "finished"}
+        if not asked:
+            return
+        ready, _ = self.ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=2.0)
+        answered = set(ready)
+        with self._lock:
+            for slot, ref in asked.values():
+                if ref not in answered:
+                    continue
+                try:
+                    slot.pid, slot.submitted = self.ray.get(ref)
+                except Exception:  # died since: the next step restarts it
+                    continue
+                if slot.state == "starting":
+                    slot.state = "running"
+
+
+def connect(address: str):
+    """Join the Ray cluster at `address` as a quiet driver in the pools' namespace."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
+                     configure_logging=False)
+        except ConnectionError as exc:
+            raise PoolError(f"no Ray cluster answers at {address}: {exc}") from None
+    return ray
+
+
+def start_pool(address: str, settings: PoolSettings):
+    """Create the detached supervisor of a new pool; PoolExists when the name is taken."""
+    ray = connect(address)
+    try:
+        ray.get_actor(settings.name, namespace=NAMESPACE)
+    except ValueError:
+        pass
+    else:
+        raise PoolExists(f"a pool named {settings.name!r} already runs on {address}")
+    supervisor = ray.remote(PoolSupervisor).options(
+        name=settings.name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=8,
+        max_restarts=-1, get_if_exists=False)
+    return supervisor.remote(settings)
+
+
+def find_pool(address: str, name: str):
+    """The supervisor of pool `name`; PoolNotFound when none runs."""
+    ray = connect(address)
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        raise PoolNotFound(f"no pool named {name!r} runs on {address}") from None
+
+
+def _answer(ray, ref, name: str, timeout_s: float):
+    """The supervisor's answer, or a PoolError saying why there is none."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PoolError(f"pool {name!r} did not answer in {timeout_s:g}s") from None
+    except ray.exceptions.RayActorError as exc:
+        raise PoolNotFound(f"pool {name!r} has ended: {str(exc).splitlines()[0]}") from None
+
+
+def pool_report(address: str, name: str, timeout_s: float = 30.0) -> PoolReport:
+    """What pool `name` runs now."""
+    ray = connect(address)
+    return _answer(ray, find_pool(address, name).report.remote(), name, timeout_s)
+
+
+def scale_pool(address: str, name: str, workers: int, timeout_s: float = 30.0) -> int:
+    """Set pool `name` to `workers` workers; returns the previous target."""
+    ray = connect(address)
+    return _answer(ray, find_pool(address, name).scale.remote(workers), name, timeout_s)
+
+
+def stop_pool(address: str, name: str, drain_s: float = 30.0) -> PoolReport:
+    """Drain pool `name`'s workers (up to `drain_s`), then end its supervisor."""
+    ray = connect(address)
+    supervisor = find_pool(address, name)
+    report = _answer(ray, supervisor.shutdown.remote(drain_s), name, drain_s + 60)
+    ray.kill(supervisor)
+    return report

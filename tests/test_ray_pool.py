@@ -1,0 +1,155 @@
+"""A Ray worker pool on a real exchange: a local Ray head on loopback, `rollmarket pool` keeps
+workers alive as actors (sampling from one `rollmarket serve-model` of the tiny MoE) while actors
+are killed -9 at a rate (spot preemption), and the pool is scaled up and down while it runs.
+
+The books come from the exchange's own database and audit log, not from the pool: every job done
+with exactly one group, every lease a killed actor held given back (abandoned or expired) and its
+job requeued and then done by another worker, the killed workers dead on the exchange and their
+slots refilled under new worker ids, and the pool's size on the exchange following `pool scale`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from helpers import ExchangeProcess, rollmarket_command, served_model
+from ray_cluster import LOOPBACK_ENV, RayHead
+from test_worker import MOE, jobs, policy
+
+POOL = "spot"
+JOBS = 10
+KILLS = 3
+
+
+def wait_until(what: str, check, timeout: float = 120.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout}s")
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    done = subprocess.run(rollmarket_command(*args), capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **LOOPBACK_ENV})
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def pool_workers(db: Path) -> list[sqlite3.Row]:
+    """The exchange's worker rows of the pool, read from its database (the manifest names the pool)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [r for r in conn.execute("SELECT worker_id, status, manifest FROM workers")
+                if json.loads(r["manifest"]).get("pool") == POOL]
+    finally:
+        conn.close()
+
+
+def alive(db: Path) -> set[str]:
+    return {r["worker_id"] for r in pool_workers(db) if r["status"] == "alive"}
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    head = RayHead(tmp_path / "ray.log").start()
+    yield head
+    import ray
+
+    ray.shutdown()
+    head.stop()
+
+
+def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
+    from rollmarket.exchange.market import market_report, open_readonly
+    from rollmarket.worker.pool import pool_report
+
+    exchange = ExchangeProcess(tmp_path / "ex.db", tmp_path / "ex.log", args=[
+        "--lease-ttl-s", "4", "--heartbeat-ttl-s", "2", "--reaper-interval-s", "0.2"]).start()
+    trainer = exchange.trainer()
+    trainer.publish_policy(policy(0, MOE))
+    address = ray_head.address
+    try:
+        with served_model(MOE, tmp_path / "model.log") as model_url:
+            cli("pool", "--ray", address, "--name", POOL, "--workers", "2", "--num-cpus", "0.5", "--detach",
+                "--model-url", model_url, "--exchange", exchange.url, "--heartbeat-s", "0.4",
+                "--lease-wait-s", "1", "--drain-s", "20")
+            wait_until("2 pool workers alive on the exchange", lambda: len(alive(exchange.db)) == 2)
+            trainer.enqueue(jobs(0, JOBS, max_tokens=32))
+
+            # Spot preemption: kill -9 the process of an actor that holds a lease, KILLS times.
+            killed: list[str] = []
+            while len(killed) < KILLS:
+                busy = wait_until("a pool worker holding a lease", lambda: [
+                    w for w in trainer.workers() if w.pool == POOL and w.status == "alive" and w.active_leases
+                    and w.worker_id not in killed], timeout=180)
+                report = pool_report(address, POOL)
+                slot = next((s for s in report.slots if s.worker_id == busy[0].worker_id and s.pid), None)
+                if slot is None:  # not yet answered the supervisor: look again
+                    time.sleep(0.2)
+                    continue
+                os.kill(slot.pid, signal.SIGKILL)
+                killed.append(slot.worker_id)
+                wait_until("the slot refilled", lambda: any(
+                    s.slot == slot.slot and s.worker_id != slot.worker_id for s in pool_report(address, POOL).slots))
+
+            wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=500)) == JOBS, timeout=300)
+
+            # Scale up, then down: the exchange sees the pool's size follow.
+            cli("pool", "scale", POOL, "3", "--ray", address)
+            wait_until("3 pool workers alive", lambda: len(alive(exchange.db)) == 3)
+            cli("pool", "scale", POOL, "1", "--ray", address)
+            wait_until("1 pool worker alive", lambda: len(alive(exchange.db)) == 1)
+            report = pool_report(address, POOL)
+            status = json.loads(cli("pool", "status", POOL, "--ray", address, "--json").stdout)
+            cli("pool", "stop", POOL, "--ray", address)
+            wait_until("no pool worker alive", lambda: not alive(exchange.db))
+        summaries = {w.worker_id: w.pool for w in trainer.workers()}
+    finally:
+        exchange.stop()
+
+    # The supervisor restarted each killed actor, under a new id.
+    died = [e.worker_id for e in report.events if e.kind == "died"]
+    assert sorted(died) == sorted(killed) and report.restarts == KILLS
+    assert report.target == 1 and status["target"] == 1 and len(status["slots"]) == 1
+
+    conn = sqlite3.connect(exchange.db)
+    conn.row_factory = sqlite3.Row
+    groups = Counter(r["job_id"] for r in conn.execute("SELECT job_id FROM groups"))
+    states = Counter(r["state"] for r in conn.execute("SELECT state FROM jobs"))
+    audit = [dict(r) | {"data": json.loads(r["data"])} for r in conn.execute(
+        "SELECT kind, actor, subject, data FROM audit ORDER BY seq")]
+    workers = {r["worker_id"]: r for r in pool_workers(exchange.db)}
+
+    # Every job done, each with exactly one group: nothing lost, nothing duplicated.
+    assert states == {"done": JOBS}
+    assert len(groups) == JOBS and set(groups.values()) == {1}
+
+    # Every lease a killed worker held and did not submit was given back and its job requeued.
+    submitted = {r["lease_id"] for r in conn.execute("SELECT lease_id FROM groups")}
+    given_back = {e["subject"]: e["kind"] for e in audit if e["kind"] in ("lease.abandoned", "lease.expired")}
+    requeued = {e["data"]["lease_id"] for e in audit if e["kind"] == "job.requeued"}
+    orphaned = [e["subject"] for e in audit if e["kind"] == "lease.issued" and e["actor"] in killed
+                and e["subject"] not in submitted]
+    assert orphaned, "no killed actor held a lease when it died"
+    assert all(lease in given_back and lease in requeued for lease in orphaned)
+    for worker_id in killed:
+        assert workers[worker_id]["status"] == "dead"
+    # Pool workers registered: 2 at the start, one per restart, one for the scale-up.
+    assert len(workers) == 2 + KILLS + 1
+    # The exchange's worker summaries and the marketplace report name the pool.
+    assert {w for w, pool in summaries.items() if pool == POOL} == set(workers)
+    market = market_report(open_readonly(exchange.db), time.time())
+    assert {w.worker_id for w in market.workers if w.pool == POOL} == set(workers)

@@ -62,9 +62,9 @@ def alive(db: Path) -> set[str]:
     return {r["worker_id"] for r in pool_workers(db) if r["status"] == "alive"}
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    head = RayHead(tmp_path / "ray.log").start()
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    head = RayHead(tmp_path_factory.mktemp("ray") / "ray.log").start()
     yield head
     import ray
 
@@ -83,9 +83,12 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
     address = ray_head.address
     try:
         with served_model(MOE, tmp_path / "model.log") as model_url:
-            cli("pool", "--ray", address, "--name", POOL, "--workers", "2", "--num-cpus", "0.5", "--detach",
+            view = open(tmp_path / "pool.out", "w+")
+            foreground = subprocess.Popen(rollmarket_command(
+                "pool", "--ray", address, "--name", POOL, "--workers", "2", "--num-cpus", "0.5",
                 "--model-url", model_url, "--exchange", exchange.url, "--heartbeat-s", "0.4",
-                "--lease-wait-s", "1", "--drain-s", "20")
+                "--lease-wait-s", "1", "--drain-s", "20"), stdout=view, stderr=subprocess.STDOUT,
+                env={**os.environ, **LOOPBACK_ENV})
             wait_until("2 pool workers alive on the exchange", lambda: len(alive(exchange.db)) == 2)
             trainer.enqueue(jobs(0, JOBS, max_tokens=32))
 
@@ -114,12 +117,17 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
             wait_until("1 pool worker alive", lambda: len(alive(exchange.db)) == 1)
             report = pool_report(address, POOL)
             status = json.loads(cli("pool", "status", POOL, "--ray", address, "--json").stdout)
-            cli("pool", "stop", POOL, "--ray", address)
+            foreground.send_signal(signal.SIGINT)  # Ctrl-C: the command drains and stops its pool
+            assert foreground.wait(90) == 0
             wait_until("no pool worker alive", lambda: not alive(exchange.db))
+            view.seek(0)
+            shown = view.read()
         summaries = {w.worker_id: w.pool for w in trainer.workers()}
     finally:
         exchange.stop()
 
+    # The live view showed the pool, and Ctrl-C stopped it.
+    assert f"pool {POOL}: " in shown and f"pool {POOL} stopped after {KILLS} restarts" in shown, shown[-2000:]
     # The supervisor restarted each killed actor, under a new id.
     died = [e.worker_id for e in report.events if e.kind == "died"]
     assert sorted(died) == sorted(killed) and report.restarts == KILLS
@@ -153,3 +161,53 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
     assert {w for w, pool in summaries.items() if pool == POOL} == set(workers)
     market = market_report(open_readonly(exchange.db), time.time())
     assert {w.worker_id for w in market.workers if w.pool == POOL} == set(workers)
+
+
+def test_a_crashing_pool_backs_off_and_names_are_checked(ray_head, tmp_path):
+    """Workers that cannot start (no model server at the URL) are restarted after a growing backoff,
+    not in a tight loop; a taken name, and a pool that is not there, are one-line errors."""
+    from rollmarket.localhost import free_port
+    from rollmarket.worker.pool import pool_report
+
+    address, name = ray_head.address, "crashy"
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    start = ("pool", "--ray", address, "--name", name, "--workers", "1", "--num-cpus", "0.25", "--detach",
+             "--model-url", nowhere + "/v1", "--exchange", nowhere)
+    cli(*start)
+    taken = subprocess.run(rollmarket_command(*start), capture_output=True, text=True, timeout=120,
+                           env={**os.environ, **LOOPBACK_ENV})
+    assert taken.returncode == 1
+    assert taken.stderr.strip().splitlines()[-1] == (
+        f"error: a pool named '{name}' already runs on {address} — pick another --name, or "
+        "`rollmarket pool stop NAME` first")
+
+    report = wait_until("two restarts", lambda: (r := pool_report(address, name)).restarts >= 2 and r, timeout=120)
+    assert report.target == 1
+    events = list(report.events)
+    for i, event in enumerate(events):
+        if event.kind != "died":
+            continue
+        assert "restart in" in event.detail, event
+        delay = float(event.detail.rsplit("restart in ", 1)[1].rstrip("s)"))
+        successor = next((e for e in events[i + 1:] if e.kind == "restarted" and e.slot == event.slot), None)
+        if successor is not None:
+            assert successor.at - event.at >= delay - 0.05, (event, successor)
+    delays = [float(e.detail.rsplit("restart in ", 1)[1].rstrip("s)")) for e in events if e.kind == "died"]
+    assert delays[:2] == [0.5, 1.0]
+
+    cli("pool", "stop", name, "--ray", address, "--drain-s", "5")
+    gone = subprocess.run(rollmarket_command("pool", "status", name, "--ray", address), capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **LOOPBACK_ENV})
+    assert gone.returncode == 1
+    assert gone.stderr.strip().splitlines()[-1].startswith(f"error: no pool named '{name}' runs on {address} — ")
+
+
+def test_without_ray_the_pool_names_the_extra(tmp_path):
+    """`ray` is an extra: without it `rollmarket pool` says which one to install, in one line."""
+    blocked = tmp_path / "no_ray"
+    blocked.mkdir()
+    (blocked / "ray.py").write_text("raise ImportError('ray is not installed here')\n")
+    done = subprocess.run(rollmarket_command("pool", "status", "p", "--ray", "127.0.0.1:1"), capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(blocked)})
+    assert done.returncode == 1
+    assert done.stderr.strip() == "error: Ray worker pools need Ray: pip install 'rollmarket[ray]'"

@@ -77,6 +77,9 @@ class PoolSettings(BaseModel):
     check_s: float = Field(0.5, gt=0, description="How often the supervisor looks for dead actors.")
     drain_s: float = Field(30.0, ge=0, description="How long a worker being scaled away may take to hand back "
                                                    "its lease before it is killed.")
+    crash_window_s: float = Field(30.0, ge=0, description="A worker that dies younger than this is restarted after "
+                                                          "a backoff (0.5 s, doubling per death in a row).")
+    max_backoff_s: float = Field(30.0, ge=0, description="The longest wait before restarting a crashing worker.")
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ class SlotState:
     generation: int
     """0 for the slot's first actor, +1 per restart."""
     state: str
-    """starting, running, draining (scaled away, handing back its lease) or finished (max_groups)."""
+    """starting, running, backoff (died young, waiting to restart), draining (scaled away, handing back its
+    lease) or finished (stopped by itself at max_groups)."""
     pid: int | None
     """The actor's process id, once it answered."""
     submitted: int | None
@@ -155,12 +159,15 @@ class _Slot:
     slot: int
     generation: int
     worker_id: str
-    actor: object
-    done: object  # the ObjectRef of actor.run(): ready when the worker ends or the actor dies
+    actor: object | None  # None while the slot waits out a restart backoff
+    done: object | None  # the ObjectRef of actor.run(): ready when the worker ends or the actor dies
+    started: float  # monotonic
     state: str = "starting"
     pid: int | None = None
     submitted: int | None = None
     drain_deadline: float | None = None
+    quick_deaths: int = 0  # deaths in a row, each within crash_window_s of its start
+    restart_at: float = 0.0
 
 
 class PoolSupervisor:
@@ -210,7 +217,8 @@ class PoolSupervisor:
         report = self.report()
         with self._lock:
             for slot in self.slots.values():  # finished ones, and any past the deadline
-                self.ray.kill(slot.actor)
+                if slot.actor is not None:
+                    self.ray.kill(slot.actor)
         return report
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -225,32 +233,41 @@ class PoolSupervisor:
 
     def _step(self) -> None:
         with self._lock:
-            refs = {s.done: s for s in self.slots.values() if s.state != "finished"}
+            refs = {s.done: s for s in self.slots.values() if s.done is not None and s.state != "finished"}
         if refs:
             ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=0)
             for ref in ready:
                 self._ended(refs[ref], ref)
         self._refresh_progress()
+        now = time.monotonic()
         with self._lock:
-            live = sorted(s.slot for s in self.slots.values() if s.state != "draining" and s.state != "finished")
-            counted = live + [s.slot for s in self.slots.values() if s.state == "finished"]
-            missing = self.target - len(counted)
+            live = [s.slot for s in self.slots.values() if s.state not in ("draining", "finished")]
+            finished = [s.slot for s in self.slots.values() if s.state == "finished"]
+            missing = self.target - len(live) - len(finished)
             if missing > 0:
                 free = [i for i in range(self.target + len(self.slots)) if i not in self.slots][:missing]
                 for index in free:
                     self._start(index, generation=0)
-            elif missing < 0:
-                for index in sorted(live, reverse=True)[:-missing]:
-                    slot = self.slots[index]
-                    slot.state, slot.drain_deadline = "draining", time.monotonic() + self.settings.drain_s
-                    slot.actor.stop.remote()
-                    self.events.append(PoolEvent(time.time(), "draining", index, slot.worker_id))
+            for index in sorted(live, reverse=True)[:max(0, -missing)]:
+                self._drain(self.slots[index], now)
             for slot in list(self.slots.values()):
-                if slot.state == "draining" and time.monotonic() > slot.drain_deadline:
+                if slot.state == "backoff" and now >= slot.restart_at:
+                    self._start(slot.slot, slot.generation + 1, quick_deaths=slot.quick_deaths)
+                elif slot.state == "draining" and now > slot.drain_deadline:
                     self.ray.kill(slot.actor)
 
+    def _drain(self, slot: _Slot, now: float) -> None:
+        """Ask a worker to stop: it hands its lease back (retryable) and returns; killed at the deadline."""
+        if slot.actor is None:  # waiting to restart: nothing runs
+            del self.slots[slot.slot]
+            return
+        slot.state, slot.drain_deadline = "draining", now + self.settings.drain_s
+        slot.actor.stop.remote()
+        self.events.append(PoolEvent(time.time(), "draining", slot.slot, slot.worker_id))
+
     def _ended(self, slot: _Slot, ref) -> None:
-        """The slot's actor returned or died: drop it, or start its successor."""
+        """The slot's actor returned or died: drop it, or restart it (at once, or after a backoff
+        when it keeps dying young: a bad model URL must not spin the cluster)."""
         try:
             self.ray.get(ref)
             why = None
@@ -267,27 +284,34 @@ class PoolSupervisor:
             else:
                 self.ray.kill(slot.actor)
                 self.restarts += 1
-                self.events.append(PoolEvent(time.time(), "died", slot.slot, slot.worker_id, why))
-                self._start(slot.slot, slot.generation + 1)
+                young = time.monotonic() - slot.started < self.settings.crash_window_s
+                slot.quick_deaths = slot.quick_deaths + 1 if young else 0
+                delay = min(self.settings.max_backoff_s, 0.5 * 2 ** (slot.quick_deaths - 1)) if young else 0.0
+                slot.actor = slot.done = None
+                slot.state, slot.restart_at, slot.pid = "backoff", time.monotonic() + delay, None
+                self.events.append(PoolEvent(time.time(), "died", slot.slot, slot.worker_id,
+                                             why + (f" (restart in {delay:g}s)" if delay else "")))
 
-    def _start(self, index: int, generation: int) -> None:
+    def _start(self, index: int, generation: int, *, quick_deaths: int = 0) -> None:
         # A fresh id per incarnation: the exchange refuses to register an id twice.
         worker_id = f"{self.settings.name}-{index}-{secrets.token_hex(3)}"
         settings = self.settings.worker.model_copy(update={"worker_id": worker_id, "pool": self.settings.name})
         actor = self._actor_cls.remote(self.settings.host, settings)
-        self.slots[index] = _Slot(index, generation, worker_id, actor, actor.run.remote())
+        self.slots[index] = _Slot(index, generation, worker_id, actor, actor.run.remote(), time.monotonic(),
+                                  quick_deaths=quick_deaths)
         self.events.append(PoolEvent(time.time(), "started" if generation == 0 else "restarted", index, worker_id))
 
     def _refresh_progress(self) -> None:
         with self._lock:
-            asked = {s.slot: (s, s.actor.progress.remote()) for s in self.slots.values() if s.state != "finished"}
+            asked = {s.slot: (s, s.actor.progress.remote()) for s in self.slots.values()
+                     if s.actor is not None and s.state != "finished"}
         if not asked:
             return
         ready, _ = self.ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=2.0)
         answered = set(ready)
         with self._lock:
             for slot, ref in asked.values():
-                if ref not in answered:
+                if ref not in answered or self.slots.get(slot.slot) is not slot:
                     continue
                 try:
                     slot.pid, slot.submitted = self.ray.get(ref)

@@ -211,3 +211,14 @@ def test_without_ray_the_pool_names_the_extra(tmp_path):
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(blocked)})
     assert done.returncode == 1
     assert done.stderr.strip() == "error: Ray worker pools need Ray: pip install 'rollmarket[ray]'"
+
+
+def test_no_cluster_at_the_address_is_one_line():
+    from rollmarket.localhost import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(rollmarket_command("pool", "status", "p", "--ray", address), capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **LOOPBACK_ENV})
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"error: no Ray cluster answers at {address} — is the Ray cluster up "
+                                   "(`ray status --address HOST:PORT`)?")

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..worker.runner import WorkerSettings
-from .options import ModelDir, Refused, settings_options
+from .options import ModelDir, Refused, settings_options, validation_problems
 
 console = Console(stderr=True)
 
@@ -164,7 +164,7 @@ def host_spec(model_path, model_url, model_dir, precision, device, threads, *, a
         return HostSpec(model_path=model_path, model_url=model_url, model_dir=model_dir, precision=precision,
                         device=device, threads=threads)
     except ValidationError as exc:
-        raise click.UsageError(_problems(exc)) from None
+        raise click.UsageError(validation_problems(exc)) from None
 
 
 def worker_settings(values: dict) -> WorkerSettings:
@@ -174,13 +174,7 @@ def worker_settings(values: dict) -> WorkerSettings:
     try:
         return WorkerSettings(**{k: v for k, v in values.items() if v is not None})
     except ValidationError as exc:
-        raise click.UsageError(_problems(exc)) from None
-
-
-def _problems(exc) -> str:
-    """A pydantic ValidationError of settings as one line in terms of the options."""
-    return "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')} {e['input']!r}: {e['msg']}"
-                     if e["loc"] else e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise click.UsageError(validation_problems(exc)) from None
 
 
 @click.command("worker")

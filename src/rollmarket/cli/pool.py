@@ -17,7 +17,7 @@ from rich.text import Text
 
 from ..worker.runner import WorkerSettings
 from .agents import host_options, host_spec, worker_settings
-from .options import settings_options
+from .options import settings_options, validation_problems
 
 console = Console(stderr=True)
 
@@ -102,7 +102,7 @@ def pool(ctx, address, workers, name, num_cpus, drain_s, detach, model_path, mod
         settings = PoolSettings(name=name, workers=workers, host=spec, worker=worker_settings(values),
                                 num_cpus=num_cpus, drain_s=drain_s)
     except ValidationError as exc:
-        raise click.UsageError("; ".join(f"--{e['loc'][0]} {e['input']!r}: {e['msg']}" for e in exc.errors())) from None
+        raise click.UsageError(validation_problems(exc)) from None
     with console.status(f"starting pool {name} on Ray at {address}"):
         start_pool(address, settings)
     console.print(f"[bold]rollmarket pool[/] {name}: {workers} workers on {spec.label} → exchange "

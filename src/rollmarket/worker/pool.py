@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import deque
@@ -321,10 +322,25 @@ class PoolSupervisor:
                     slot.state = "running"
 
 
+def _refuses(address: str) -> bool:
+    """True when nothing listens at a HOST:PORT address (Ray itself would retry for minutes).
+    Other forms (`auto`, `ray://...`) are left to Ray."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError:
+        return True
+    return False
+
+
 def connect(address: str):
     """Join the Ray cluster at `address` as a quiet driver in the pools' namespace."""
     ray = import_ray()
     if not ray.is_initialized():
+        if _refuses(address):
+            raise PoolError(f"no Ray cluster answers at {address}")
         try:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
                      configure_logging=False)

@@ -84,7 +84,7 @@ class RayHead:
     def stop(self) -> None:
         if self.proc is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):  # `ray start --block` may ignore TERM
             for pid in self.session_pids():
                 try:
                     os.kill(pid, sig)

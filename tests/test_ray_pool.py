@@ -72,6 +72,7 @@ def ray_head(tmp_path_factory):
     head.stop()
 
 
+@pytest.mark.slow
 def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
     from rollmarket.exchange.market import market_report, open_readonly
     from rollmarket.worker.pool import pool_report
@@ -163,6 +164,7 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
     assert {w.worker_id for w in market.workers if w.pool == POOL} == set(workers)
 
 
+@pytest.mark.slow
 def test_a_crashing_pool_backs_off_and_names_are_checked(ray_head, tmp_path):
     """Workers that cannot start (no model server at the URL) are restarted after a growing backoff,
     not in a tight loop; a taken name, and a pool that is not there, are one-line errors."""

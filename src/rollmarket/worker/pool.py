@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
@@ -83,6 +84,25 @@ class PoolSettings(BaseModel):
     max_backoff_s: float = Field(30.0, ge=0, description="The longest wait before restarting a crashing worker.")
 
 
+class SlotStatus(StrEnum):
+    """Where a slot's worker is in its life."""
+
+    starting = "starting"  # created, not yet answered the supervisor
+    running = "running"
+    backoff = "backoff"  # died young, waiting to restart
+    draining = "draining"  # scaled away: handing back its lease, then stopping
+    finished = "finished"  # stopped by itself (max_groups); not replaced
+
+
+class PoolEventKind(StrEnum):
+    started = "started"
+    restarted = "restarted"
+    died = "died"
+    draining = "draining"
+    drained = "drained"
+    finished = "finished"
+
+
 @dataclass(frozen=True)
 class SlotState:
     """One slot of a pool as the supervisor sees it."""
@@ -91,9 +111,7 @@ class SlotState:
     worker_id: str
     generation: int
     """0 for the slot's first actor, +1 per restart."""
-    state: str
-    """starting, running, backoff (died young, waiting to restart), draining (scaled away, handing back its
-    lease) or finished (stopped by itself at max_groups)."""
+    state: SlotStatus
     pid: int | None
     """The actor's process id, once it answered."""
     submitted: int | None
@@ -105,7 +123,7 @@ class PoolEvent:
     """Something the supervisor did: started, restarted (with why), drained or finished a worker."""
 
     at: float
-    kind: str
+    kind: PoolEventKind
     slot: int
     worker_id: str
     detail: str = ""
@@ -126,7 +144,7 @@ class PoolReport:
 
     @property
     def running(self) -> int:
-        return sum(1 for s in self.slots if s.state == "running")
+        return sum(1 for s in self.slots if s.state == SlotStatus.running)
 
 
 class WorkerActor:
@@ -163,7 +181,7 @@ class _Slot:
     actor: object | None  # None while the slot waits out a restart backoff
     done: object | None  # the ObjectRef of actor.run(): ready when the worker ends or the actor dies
     started: float  # monotonic
-    state: str = "starting"
+    state: SlotStatus = SlotStatus.starting
     pid: int | None = None
     submitted: int | None = None
     drain_deadline: float | None = None
@@ -212,7 +230,7 @@ class PoolSupervisor:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if all(s.state == "finished" for s in self.slots.values()):
+                if all(s.state == SlotStatus.finished for s in self.slots.values()):
                     break
             time.sleep(self.settings.check_s / 2)
         report = self.report()
@@ -234,7 +252,7 @@ class PoolSupervisor:
 
     def _step(self) -> None:
         with self._lock:
-            refs = {s.done: s for s in self.slots.values() if s.done is not None and s.state != "finished"}
+            refs = {s.done: s for s in self.slots.values() if s.done is not None and s.state != SlotStatus.finished}
         if refs:
             ready, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=0)
             for ref in ready:
@@ -242,8 +260,8 @@ class PoolSupervisor:
         self._refresh_progress()
         now = time.monotonic()
         with self._lock:
-            live = [s.slot for s in self.slots.values() if s.state not in ("draining", "finished")]
-            finished = [s.slot for s in self.slots.values() if s.state == "finished"]
+            live = [s.slot for s in self.slots.values() if s.state not in (SlotStatus.draining, SlotStatus.finished)]
+            finished = [s.slot for s in self.slots.values() if s.state == SlotStatus.finished]
             missing = self.target - len(live) - len(finished)
             if missing > 0:
                 free = [i for i in range(self.target + len(self.slots)) if i not in self.slots][:missing]
@@ -252,9 +270,9 @@ class PoolSupervisor:
             for index in sorted(live, reverse=True)[:max(0, -missing)]:
                 self._drain(self.slots[index], now)
             for slot in list(self.slots.values()):
-                if slot.state == "backoff" and now >= slot.restart_at:
+                if slot.state == SlotStatus.backoff and now >= slot.restart_at:
                     self._start(slot.slot, slot.generation + 1, quick_deaths=slot.quick_deaths)
-                elif slot.state == "draining" and now > slot.drain_deadline:
+                elif slot.state == SlotStatus.draining and now > slot.drain_deadline:
                     self.ray.kill(slot.actor)
 
     def _drain(self, slot: _Slot, now: float) -> None:
@@ -262,9 +280,9 @@ class PoolSupervisor:
         if slot.actor is None:  # waiting to restart: nothing runs
             del self.slots[slot.slot]
             return
-        slot.state, slot.drain_deadline = "draining", now + self.settings.drain_s
+        slot.state, slot.drain_deadline = SlotStatus.draining, now + self.settings.drain_s
         slot.actor.stop.remote()
-        self.events.append(PoolEvent(time.time(), "draining", slot.slot, slot.worker_id))
+        self.events.append(PoolEvent(time.time(), PoolEventKind.draining, slot.slot, slot.worker_id))
 
     def _ended(self, slot: _Slot, ref) -> None:
         """The slot's actor returned or died: drop it, or restart it (at once, or after a backoff
@@ -275,13 +293,13 @@ class PoolSupervisor:
         except Exception as exc:  # RayActorError (died), or the worker raised
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
         with self._lock:
-            if slot.state == "draining" or self.stopping:
+            if slot.state == SlotStatus.draining or self.stopping:
                 self.ray.kill(slot.actor)
                 del self.slots[slot.slot]
-                self.events.append(PoolEvent(time.time(), "drained", slot.slot, slot.worker_id))
+                self.events.append(PoolEvent(time.time(), PoolEventKind.drained, slot.slot, slot.worker_id))
             elif why is None:  # the worker chose to stop (max_groups): the slot is done
-                slot.state = "finished"
-                self.events.append(PoolEvent(time.time(), "finished", slot.slot, slot.worker_id))
+                slot.state = SlotStatus.finished
+                self.events.append(PoolEvent(time.time(), PoolEventKind.finished, slot.slot, slot.worker_id))
             else:
                 self.ray.kill(slot.actor)
                 self.restarts += 1
@@ -289,8 +307,8 @@ class PoolSupervisor:
                 slot.quick_deaths = slot.quick_deaths + 1 if young else 0
                 delay = min(self.settings.max_backoff_s, 0.5 * 2 ** (slot.quick_deaths - 1)) if young else 0.0
                 slot.actor = slot.done = None
-                slot.state, slot.restart_at, slot.pid = "backoff", time.monotonic() + delay, None
-                self.events.append(PoolEvent(time.time(), "died", slot.slot, slot.worker_id,
+                slot.state, slot.restart_at, slot.pid = SlotStatus.backoff, time.monotonic() + delay, None
+                self.events.append(PoolEvent(time.time(), PoolEventKind.died, slot.slot, slot.worker_id,
                                              why + (f" (restart in {delay:g}s)" if delay else "")))
 
     def _start(self, index: int, generation: int, *, quick_deaths: int = 0) -> None:
@@ -300,12 +318,12 @@ class PoolSupervisor:
         actor = self._actor_cls.remote(self.settings.host, settings)
         self.slots[index] = _Slot(index, generation, worker_id, actor, actor.run.remote(), time.monotonic(),
                                   quick_deaths=quick_deaths)
-        self.events.append(PoolEvent(time.time(), "started" if generation == 0 else "restarted", index, worker_id))
+        self.events.append(PoolEvent(time.time(), PoolEventKind.started if generation == 0 else PoolEventKind.restarted, index, worker_id))
 
     def _refresh_progress(self) -> None:
         with self._lock:
             asked = {s.slot: (s, s.actor.progress.remote()) for s in self.slots.values()
-                     if s.actor is not None and s.state != "finished"}
+                     if s.actor is not None and s.state != SlotStatus.finished}
         if not asked:
             return
         ready, _ = self.ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=2.0)
@@ -318,8 +336,8 @@ class PoolSupervisor:
                     slot.pid, slot.submitted = self.ray.get(ref)
                 except Exception:  # died since: the next step restarts it
                     continue
-                if slot.state == "starting":
-                    slot.state = "running"
+                if slot.state == SlotStatus.starting:
+                    slot.state = SlotStatus.running
 
 
 def _refuses(address: str) -> bool:

@@ -187,6 +187,7 @@ class _Slot:
     drain_deadline: float | None = None
     quick_deaths: int = 0  # deaths in a row, each within crash_window_s of its start
     restart_at: float = 0.0
+    asked: object | None = None  # an unanswered actor.progress() ObjectRef
 
 
 class PoolSupervisor:
@@ -321,23 +322,24 @@ class PoolSupervisor:
         self.events.append(PoolEvent(time.time(), PoolEventKind.started if generation == 0 else PoolEventKind.restarted, index, worker_id))
 
     def _refresh_progress(self) -> None:
+        """Collect the answers to last step's progress questions and ask again, never waiting: an
+        actor still loading its model answers only once its constructor is done."""
         with self._lock:
-            asked = {s.slot: (s, s.actor.progress.remote()) for s in self.slots.values()
-                     if s.actor is not None and s.state != SlotStatus.finished}
-        if not asked:
-            return
-        ready, _ = self.ray.wait([ref for _, ref in asked.values()], num_returns=len(asked), timeout=2.0)
-        answered = set(ready)
+            asked = {s.asked: s for s in self.slots.values() if s.asked is not None}
+        ready, _ = self.ray.wait(list(asked), num_returns=len(asked), timeout=0) if asked else ([], [])
         with self._lock:
-            for slot, ref in asked.values():
-                if ref not in answered or self.slots.get(slot.slot) is not slot:
-                    continue
+            for ref in ready:
+                slot = asked[ref]
+                slot.asked = None
                 try:
                     slot.pid, slot.submitted = self.ray.get(ref)
-                except Exception:  # died since: the next step restarts it
+                except Exception:  # died since: its run() says so and the next step restarts it
                     continue
-                if slot.state == SlotStatus.starting:
+                if slot.state is SlotStatus.starting:
                     slot.state = SlotStatus.running
+            for slot in self.slots.values():
+                if slot.actor is not None and slot.asked is None and slot.state is not SlotStatus.finished:
+                    slot.asked = slot.actor.progress.remote()
 
 
 def _refuses(address: str) -> bool:

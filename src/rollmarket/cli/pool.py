@@ -36,14 +36,14 @@ def _view(report) -> Group:
     """The pool as a table of slots and its latest events."""
     title = (f"pool {report.name}: {report.running}/{report.target} running, {report.restarts} restarts"
              f"{' (stopping)' if report.stopping else ''} — {report.model} → {report.exchange}")
-    table = Table("slot", "worker", "restarts", "state", "pid", "groups", title=title, title_justify="left")
+    table = Table("slot", "worker", "restarts", "state", "pid", "groups")
     for slot in report.slots:
         table.add_row(str(slot.slot), slot.worker_id, str(slot.generation), slot.state,
                       str(slot.pid or "—"), "—" if slot.submitted is None else str(slot.submitted))
     now = time.time()
     lines = [Text(f"{now - e.at:5.0f}s ago  {e.kind:9} slot {e.slot} {e.worker_id} {e.detail}".rstrip())
              for e in report.events[-6:]]
-    return Group(table, *lines)
+    return Group(Text(title, style="bold"), table, *lines)
 
 
 def _watch(address: str, name: str, stop: threading.Event) -> None:

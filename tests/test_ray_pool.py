@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ExchangeProcess, rollmarket_command, served_model
+from helpers import TRAINER_TOKEN, ExchangeProcess, rollmarket_command, served_model
 from ray_cluster import LOOPBACK_ENV, RayHead
 from test_worker import MOE, jobs, policy
 
@@ -114,6 +114,8 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
             # Scale up, then down: the exchange sees the pool's size follow.
             cli("pool", "scale", POOL, "3", "--ray", address)
             wait_until("3 pool workers alive", lambda: len(alive(exchange.db)) == 3)
+            shown_status = cli("exchange", "status", "--url", exchange.url, "--token", TRAINER_TOKEN).stdout
+            assert f"pools (alive workers): {POOL} 3" in shown_status, shown_status
             cli("pool", "scale", POOL, "1", "--ray", address)
             wait_until("1 pool worker alive", lambda: len(alive(exchange.db)) == 1)
             report = pool_report(address, POOL)

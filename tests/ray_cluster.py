@@ -54,6 +54,7 @@ class RayHead:
                *(arg for flag, port in zip(("--ray-client-server-port", "--dashboard-agent-listen-port",
                                             "--dashboard-agent-grpc-port", "--metrics-export-port"),
                                            self._other_ports) for arg in (flag, str(port)))]
+        offset = self.log.stat().st_size if self.log.exists() else 0  # a reused log's old lines don't count
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, **LOOPBACK_ENV})
@@ -61,7 +62,7 @@ class RayHead:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
-            if "Ray runtime started" in self.log.read_text(errors="replace"):
+            if b"Ray runtime started" in self.log.read_bytes()[offset:]:
                 return self
             time.sleep(0.2)
         self.stop()

@@ -191,6 +191,7 @@ def test_a_crashing_pool_backs_off_and_names_are_checked(ray_head, tmp_path):
     for i, event in enumerate(events):
         if event.kind != "died":
             continue
+        assert "could not start: rollmarket.worker.host.HostError" in event.detail, event
         assert "restart in" in event.detail, event
         delay = float(event.detail.rsplit("restart in ", 1)[1].rstrip("s)"))
         successor = next((e for e in events[i + 1:] if e.kind == "restarted" and e.slot == event.slot), None)

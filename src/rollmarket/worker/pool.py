@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import socket
 import threading
@@ -292,7 +293,7 @@ class PoolSupervisor:
             self.ray.get(ref)
             why = None
         except Exception as exc:  # RayActorError (died), or the worker raised
-            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            why = _death_reason(exc)
         with self._lock:
             if slot.state == SlotStatus.draining or self.stopping:
                 self.ray.kill(slot.actor)
@@ -342,6 +343,17 @@ class PoolSupervisor:
                     slot.asked = slot.actor.progress.remote()
 
 
+def _death_reason(exc: Exception) -> str:
+    """One line on why a worker actor ended in an error: its constructor's own exception when it
+    could not start (Ray wraps it in a traceback), else the first line of Ray's account."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).splitlines() if line.strip()]
+    if getattr(exc, "actor_init_failed", False) and lines:
+        why = f"could not start: {lines[-1]}"
+    else:
+        why = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return ("preempted: " if getattr(exc, "preempted", False) else "") + why[:300]
+
+
 def _refuses(address: str) -> bool:
     """True when nothing listens at a HOST:PORT address (Ray itself would retry for minutes).
     Other forms (`auto`, `ray://...`) are left to Ray."""
@@ -372,16 +384,20 @@ def connect(address: str):
 def start_pool(address: str, settings: PoolSettings):
     """Create the detached supervisor of a new pool; PoolExists when the name is taken."""
     ray = connect(address)
+    taken = PoolExists(f"a pool named {settings.name!r} already runs on {address}")
     try:
         ray.get_actor(settings.name, namespace=NAMESPACE)
     except ValueError:
         pass
     else:
-        raise PoolExists(f"a pool named {settings.name!r} already runs on {address}")
+        raise taken
     supervisor = ray.remote(PoolSupervisor).options(
         name=settings.name, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=8,
-        max_restarts=-1, get_if_exists=False)
-    return supervisor.remote(settings)
+        max_restarts=-1)
+    try:
+        return supervisor.remote(settings)
+    except ValueError:  # another driver took the name since we looked
+        raise taken from None
 
 
 def find_pool(address: str, name: str):

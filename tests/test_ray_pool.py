@@ -26,7 +26,7 @@ from ray_cluster import LOOPBACK_ENV, RayHead
 from test_worker import MOE, jobs, policy
 
 POOL = "spot"
-JOBS = 10
+BATCH = 4
 KILLS = 3
 
 
@@ -82,21 +82,29 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
     trainer = exchange.trainer()
     trainer.publish_policy(policy(0, MOE))
     address = ray_head.address
+    view = open(tmp_path / "pool.out", "w+")
+    foreground = None
     try:
         with served_model(MOE, tmp_path / "model.log") as model_url:
-            view = open(tmp_path / "pool.out", "w+")
             foreground = subprocess.Popen(rollmarket_command(
                 "pool", "--ray", address, "--name", POOL, "--workers", "2", "--num-cpus", "0.5",
                 "--model-url", model_url, "--exchange", exchange.url, "--heartbeat-s", "0.4",
                 "--lease-wait-s", "1", "--drain-s", "20"), stdout=view, stderr=subprocess.STDOUT,
                 env={**os.environ, **LOOPBACK_ENV})
             wait_until("2 pool workers alive on the exchange", lambda: len(alive(exchange.db)) == 2)
-            trainer.enqueue(jobs(0, JOBS, max_tokens=32))
+            enqueued = 0
 
-            # Spot preemption: kill -9 the process of an actor that holds a lease, KILLS times.
+            def feed() -> None:
+                """Keep work waiting, so that there is always a lease to preempt, however fast the box."""
+                nonlocal enqueued
+                if len(trainer.jobs(state="queued", limit=500)) < BATCH:
+                    trainer.enqueue(jobs(0, BATCH, start=enqueued, max_tokens=32))
+                    enqueued += BATCH
+
+            # Spot preemption: kill -9 the process of an actor that holds a lease, once per refilled slot.
             killed: list[str] = []
             while len(killed) < KILLS:
-                busy = wait_until("a pool worker holding a lease", lambda: [
+                busy = wait_until("a pool worker holding a lease", lambda: feed() or [
                     w for w in trainer.workers() if w.pool == POOL and w.status == "alive" and w.active_leases
                     and w.worker_id not in killed], timeout=180)
                 report = pool_report(address, POOL)
@@ -109,7 +117,7 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
                 wait_until("the slot refilled", lambda: any(
                     s.slot == slot.slot and s.worker_id != slot.worker_id for s in pool_report(address, POOL).slots))
 
-            wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=500)) == JOBS, timeout=300)
+            wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=500)) == enqueued, timeout=300)
 
             # Scale up, then down: the exchange sees the pool's size follow.
             cli("pool", "scale", POOL, "3", "--ray", address)
@@ -127,6 +135,9 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
             shown = view.read()
         summaries = {w.worker_id: w.pool for w in trainer.workers()}
     finally:
+        if foreground is not None and foreground.poll() is None:  # a failed check must not leave the command running
+            foreground.kill()
+        view.close()
         exchange.stop()
 
     # The live view showed the pool, and Ctrl-C stopped it.
@@ -145,8 +156,8 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
     workers = {r["worker_id"]: r for r in pool_workers(exchange.db)}
 
     # Every job done, each with exactly one group: nothing lost, nothing duplicated.
-    assert states == {"done": JOBS}
-    assert len(groups) == JOBS and set(groups.values()) == {1}
+    assert enqueued >= BATCH and states == {"done": enqueued}
+    assert len(groups) == enqueued and set(groups.values()) == {1}
 
     # Every lease a killed worker held and did not submit was given back and its job requeued.
     submitted = {r["lease_id"] for r in conn.execute("SELECT lease_id FROM groups")}
@@ -156,6 +167,10 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
                 and e["subject"] not in submitted]
     assert orphaned, "no killed actor held a lease when it died"
     assert all(lease in given_back and lease in requeued for lease in orphaned)
+    done_by = {r["job_id"]: r["worker_id"] for r in conn.execute("SELECT job_id, worker_id FROM groups")}
+    for event in audit:
+        if event["subject"] in orphaned and event["kind"] in ("lease.abandoned", "lease.expired"):
+            assert done_by[event["data"]["job_id"]] != event["data"]["worker_id"]
     for worker_id in killed:
         assert workers[worker_id]["status"] == "dead"
     # Pool workers registered: 2 at the start, one per restart, one for the scale-up.

@@ -21,7 +21,6 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from ..client import Conflict, DigestMismatch, ExchangeError, ExchangeUnavailable, Rejected, WorkerClient
-from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
 from ..contracts import (
     AgentTrajectory,
     FailureKind,
@@ -32,6 +31,7 @@ from ..contracts import (
     VerifyResult,
     WorkerManifest,
 )
+from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
 from .heartbeat import Heartbeater, run_renewing
 from .host import EngineIdentity, HostError, ReloadRefused
 

@@ -117,15 +117,18 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
                 wait_until("the slot refilled", lambda: any(
                     s.slot == slot.slot and s.worker_id != slot.worker_id for s in pool_report(address, POOL).slots))
 
-            wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=500)) == enqueued, timeout=300)
 
-            # Scale up, then down: the exchange sees the pool's size follow.
+            # Scale up, then down while every worker holds a lease: the exchange sees the pool's size
+            # follow, and the workers scaled away hand their leases back.
             cli("pool", "scale", POOL, "3", "--ray", address)
             wait_until("3 pool workers alive", lambda: len(alive(exchange.db)) == 3)
             shown_status = cli("exchange", "status", "--url", exchange.url, "--token", TRAINER_TOKEN).stdout
             assert f"pools (alive workers): {POOL} 3" in shown_status, shown_status
+            wait_until("every pool worker holding a lease", lambda: feed() or sum(
+                1 for w in trainer.workers() if w.pool == POOL and w.status == "alive" and w.active_leases) == 3)
             cli("pool", "scale", POOL, "1", "--ray", address)
             wait_until("1 pool worker alive", lambda: len(alive(exchange.db)) == 1)
+            wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=500)) == enqueued, timeout=300)
             report = pool_report(address, POOL)
             status = json.loads(cli("pool", "status", POOL, "--ray", address, "--json").stdout)
             foreground.send_signal(signal.SIGINT)  # Ctrl-C: the command drains and stops its pool
@@ -173,6 +176,15 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
             assert done_by[event["data"]["job_id"]] != event["data"]["worker_id"]
     for worker_id in killed:
         assert workers[worker_id]["status"] == "dead"
+
+    # The 2 workers scaled away gave their leases back at once (cancelled, requeued), none left to expire.
+    drained = {e.worker_id for e in report.events if e.kind == "drained"}
+    assert len(drained) == 2 and not drained & set(killed)
+    handed_back = [e for e in audit if e["kind"] == "lease.failed" and e["data"]["worker_id"] in drained]
+    assert handed_back, "no worker scaled away was holding a lease"
+    assert all(e["data"]["kind"] == "cancelled" and e["subject"] in requeued for e in handed_back)
+    assert not [e for e in audit if e["kind"] in ("lease.abandoned", "lease.expired")
+                and e["data"]["worker_id"] in drained]
     # Pool workers registered: 2 at the start, one per restart, one for the scale-up.
     assert len(workers) == 2 + KILLS + 1
     # The exchange's worker summaries and the marketplace report name the pool.

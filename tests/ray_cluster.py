@@ -61,6 +61,7 @@ class RayHead:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"ray start exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             if b"Ray runtime started" in self.log.read_bytes()[offset:]:
                 return self

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..worker.runner import WorkerSettings
-from .options import ModelDir, Refused, settings_options
+from .options import ModelDir, Refused, settings_options, validation_problems
 
 console = Console(stderr=True)
 
@@ -133,16 +133,52 @@ def collect_command(tasks_spec, model_url, model_name, api_key, repeats, concurr
         sys.exit(1)
 
 
+def host_options(command):
+    """The model options of `rollmarket worker` and `rollmarket pool`; `host_spec` reads them."""
+    for option in reversed([
+        click.option("--model", "model_path", type=ModelDir(), default=None,
+                     help="Model directory to load and serve on loopback (embedded engine)."),
+        click.option("--model-url", default=None, help="Or: an OpenAI-compatible server to sample from."),
+        click.option("--model-dir", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="With --model-url to a server without /v1/engine (vLLM): the directory it serves."),
+        click.option("--precision", default="bf16", show_default=True,
+                     type=click.Choice(["fp32", "bf16", "fp16", "fp8"]),
+                     help="Precision profile of the embedded engine."),
+        click.option("--device", default="cpu", show_default=True, help="Torch device of the embedded engine."),
+        click.option("--threads", type=int, default=None, help="torch CPU threads of the embedded engine."),
+    ]):
+        command = option(command)
+    return command
+
+
+def host_spec(model_path, model_url, model_dir, precision, device, threads, *, absolute: bool = False):
+    """The HostSpec of the options; `absolute` resolves paths for processes that run elsewhere."""
+    from pydantic import ValidationError
+
+    from ..worker.host import HostSpec
+
+    if absolute:
+        model_path = model_path and str(Path(model_path).resolve())
+        model_dir = model_dir and str(Path(model_dir).resolve())
+    try:
+        return HostSpec(model_path=model_path, model_url=model_url, model_dir=model_dir, precision=precision,
+                        device=device, threads=threads)
+    except ValidationError as exc:
+        raise click.UsageError(validation_problems(exc)) from None
+
+
+def worker_settings(values: dict) -> WorkerSettings:
+    """WorkerSettings from the options; a value out of range (e.g. --reload-lag -1) is a usage error."""
+    from pydantic import ValidationError
+
+    try:
+        return WorkerSettings(**{k: v for k, v in values.items() if v is not None})
+    except ValidationError as exc:
+        raise click.UsageError(validation_problems(exc)) from None
+
+
 @click.command("worker")
-@click.option("--model", "model_path", type=ModelDir(), default=None,
-              help="Model directory to load and serve on loopback (embedded engine).")
-@click.option("--model-url", default=None, help="Or: an OpenAI-compatible server to sample from.")
-@click.option("--model-dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="With --model-url to a server without /v1/engine (vLLM): the directory it serves.")
-@click.option("--precision", default="bf16", show_default=True,
-              type=click.Choice(["fp32", "bf16", "fp16", "fp8"]), help="Precision profile of the embedded engine.")
-@click.option("--device", default="cpu", show_default=True, help="Torch device of the embedded engine.")
-@click.option("--threads", type=int, default=None, help="torch CPU threads of the embedded engine.")
+@host_options
 @settings_options(WorkerSettings)
 def worker_command(model_path, model_url, model_dir, precision, device, threads, **values) -> None:
     """Run a rollout worker: lease jobs from an exchange, run the agent, verify, submit groups.
@@ -151,23 +187,14 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
     --model-url it samples from that server. On a new policy it loads the checkpoint, checks the
     digest and acks the reload. Stops on Ctrl-C / SIGTERM.
     """
-    from ..worker.host import EmbeddedHost, HostError, RemoteHost
+    from ..worker.host import HostError
     from ..worker.runner import AgentWorker
 
-    if bool(model_path) == bool(model_url):
-        raise click.UsageError("give exactly one of --model PATH or --model-url URL")
-    from pydantic import ValidationError
-
+    spec = host_spec(model_path, model_url, model_dir, precision, device, threads)
+    settings = worker_settings(values)
     try:
-        settings = WorkerSettings(**{k: v for k, v in values.items() if v is not None})
-    except ValidationError as exc:  # a value out of range (e.g. --reload-lag -1) is the user's to fix
-        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')} {e['input']!r}: {e['msg']}"
-                             for e in exc.errors())
-        raise click.UsageError(problems) from None
-    try:
-        with console.status(f"loading {model_path or model_url}"):
-            host = (EmbeddedHost(model_path, precision, device, threads=threads) if model_path
-                    else RemoteHost(model_url, model_dir=model_dir, precision=precision))
+        with console.status(f"loading {spec.label}"):
+            host = spec.open()
             worker = AgentWorker(settings, host)
     except HostError as exc:
         raise click.ClickException(str(exc)) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import click
 from rich.console import Console
 from rich.table import Table
@@ -71,11 +73,15 @@ def exchange_status(url: str, token: str, as_json: bool) -> None:
     console.print(f"active version [bold]{status.active_version}[/], published {status.published_version}, "
                   f"reload quorum {status.acks}/{status.quorum}")
     console.print(f"jobs {status.jobs}  leases {status.leases}  groups {status.groups}")
-    table = Table("worker", "status", "engine", "loaded", "aligned", "leases", "quality", "price")
+    table = Table("worker", "pool", "status", "engine", "loaded", "aligned", "leases", "quality", "price")
     for w in status.workers:
-        table.add_row(w.worker_id, w.status, w.engine_name, str(w.loaded_version), "yes" if w.aligned else "no",
+        table.add_row(w.worker_id, w.pool or "—", w.status, w.engine_name, str(w.loaded_version), "yes" if w.aligned else "no",
                       str(w.active_leases), f"{w.quality:.2f}", f"{w.price_hint:g}")
     console.print(table)
+    pools = Counter(w.pool for w in status.workers if w.pool and w.status == "alive")
+    if pools:
+        console.print("pools (alive workers): " + ", ".join(f"{name} {n}" for name, n in sorted(pools.items())),
+                      highlight=False)
 
 
 @exchange.command("audit")

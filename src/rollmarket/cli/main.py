@@ -63,6 +63,9 @@ COMMANDS: dict[str, LazyCommand] = {
                            "Sample agent runs on each rollout engine, teacher-force the same token ids on each "
                            "trainer engine, and write per-trajectory reports, the matrix with bootstrap intervals, "
                            "length scaling and agent divergence to runs/<stamp>-<id>/."),
+    "pool": LazyCommand("rollmarket.cli.pool", "pool",
+                        "Run rollout workers as Ray actors on an existing Ray cluster, restart those that die, "
+                        "and scale while they run."),
     "profile": LazyCommand("rollmarket.cli.profile", "profile",
                            "Profile ROLLOUTS (JSONL, one AgentTrajectory per line): per-task and global pass@k for "
                            "k in 1, 4, 16 (unbiased), majority@k, and the mean, median and std of the reward."),

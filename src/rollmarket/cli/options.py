@@ -55,6 +55,12 @@ def pick(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix) and v is not None}
 
 
+def validation_problems(exc) -> str:
+    """A pydantic ValidationError of settings made from options, as one line in terms of the options."""
+    return "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')} {e['input']!r}: {e['msg']}"
+                     if e["loc"] else e["msg"].removeprefix("Value error, ") for e in exc.errors())
+
+
 class Refused(click.BadParameter):
     """A bad value with a better fix than "see --help" (the error boundary prints `fix`)."""
 

@@ -20,6 +20,7 @@ class MarketWorker(Record):
     """One worker: its profile (what it runs on), its standing and what it delivered."""
 
     worker_id: Identifier
+    pool: Identifier | None = Field(default=None, description="The pool it belongs to, from its manifest.")
     status: Name = Field(description="alive or dead.")
     engine_name: Name
     engine_version: Name

@@ -12,6 +12,7 @@ from .worker import WorkerManifest
 
 class WorkerSummary(Record):
     worker_id: Identifier
+    pool: Identifier | None = Field(default=None, description="The pool it belongs to, from its manifest.")
     status: Name = Field(description="alive or dead.")
     engine_name: Name
     engine_fingerprint: Key

@@ -45,6 +45,11 @@ class WorkerManifest(Record):
                     "slow host that reloads every few versions); it leases at the version it runs, so its "
                     "groups carry their real lag. 0: it always runs the newest.",
     )
+    pool: Identifier | None = Field(
+        default=None,
+        description="The worker pool it belongs to (`rollmarket pool`, e.g. Ray actors under one supervisor); "
+                    "None for a worker on its own.",
+    )
 
 
 class WorkerRegistration(Record):

@@ -98,7 +98,8 @@ def _workers(conn: sqlite3.Connection) -> list[MarketWorker]:
         manifest = json.loads(row["manifest"])
         accepted, tokens = stored.get(row["worker_id"], (0, 0))
         workers.append(MarketWorker(
-            worker_id=row["worker_id"], status=row["status"], engine_name=manifest["engine_name"],
+            worker_id=row["worker_id"], pool=manifest.get("pool"), status=row["status"],
+            engine_name=manifest["engine_name"],
             engine_version=manifest["engine_version"], device_type=manifest.get("device_type", "cpu"),
             device_count=manifest.get("device_count", 1), region=manifest.get("region", "local"),
             precision_classes=manifest["precision_classes"],

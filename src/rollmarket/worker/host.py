@@ -12,8 +12,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
+from pydantic import BaseModel, Field, model_validator
 
 from ..contracts import PolicyManifest
 
@@ -206,3 +208,32 @@ class RemoteHost:
 
     def close(self) -> None:
         pass
+
+
+class HostSpec(BaseModel):
+    """Which model a worker samples from: `--model PATH` (embedded) or `--model-url URL`, exactly one.
+
+    A record rather than a host so that it can travel (to Ray actors) and be saved; `open()` loads."""
+
+    model_path: str | None = Field(None, description="Model directory to load and serve on loopback.")
+    model_url: str | None = Field(None, description="An OpenAI-compatible server to sample from.")
+    model_dir: str | None = Field(None, description="With model_url to a server without /v1/engine: its directory.")
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
+    device: str = "cpu"
+    threads: int | None = Field(None, ge=1, description="torch CPU threads of the embedded engine.")
+
+    @model_validator(mode="after")
+    def _one_model(self) -> "HostSpec":
+        if bool(self.model_path) == bool(self.model_url):
+            raise ValueError("give exactly one of --model PATH or --model-url URL")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.model_path or self.model_url or ""
+
+    def open(self) -> EmbeddedHost | RemoteHost:
+        """Load (embedded) or reach (remote) the model; HostError when it cannot."""
+        if self.model_path:
+            return EmbeddedHost(self.model_path, self.precision, self.device, threads=self.threads)
+        return RemoteHost(self.model_url, model_dir=self.model_dir, precision=self.precision)

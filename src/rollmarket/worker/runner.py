@@ -31,6 +31,7 @@ from ..contracts import (
     VerifyResult,
     WorkerManifest,
 )
+from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
 from .heartbeat import Heartbeater, run_renewing
 from .host import EngineIdentity, HostError, ReloadRefused
 
@@ -62,20 +63,24 @@ class WorkerSettings(BaseModel):
                              "(a slow host that reloads every few versions; its groups carry the lag). "
                              "0: reload every version.")
     max_groups: int | None = Field(None, ge=1, description="Stop after this many submitted groups.")
+    pool: str | None = Field(
+        None, pattern=ID_PATTERN, max_length=ID_MAX_LENGTH,
+        description="The pool this worker belongs to, shown on the marketplace (`rollmarket pool` sets it).")
     events: Path | None = Field(None, description="Append one JSON line per event here.")
     rollouts: Path | None = Field(
         None, description="Append every agent run here as an AgentTrajectory JSON line (for "
                           "`rollmarket profile`).")
 
 
-def manifest_for(identity: EngineIdentity, worker_id: str, price: float, reload_lag: int = 0) -> WorkerManifest:
+def manifest_for(identity: EngineIdentity, worker_id: str, price: float, reload_lag: int = 0,
+                 pool: str | None = None) -> WorkerManifest:
     return WorkerManifest(
         worker_id=worker_id, engine_name=identity.engine_name, engine_version=identity.engine_version,
         engine_fingerprint=identity.engine_fingerprint, device_type=identity.device_type,
         precision_classes=[identity.precision], quantization_classes=[identity.quantization],
         supported_tokenizer_hashes=[identity.tokenizer_hash], max_context_tokens=identity.max_context_tokens,
         max_concurrent_groups=1, returns_routed_experts=identity.returns_routed_experts, price_hint=price,
-        max_reload_lag=reload_lag,
+        max_reload_lag=reload_lag, pool=pool,
     )
 
 
@@ -257,7 +262,8 @@ class AgentWorker:
         """Register, then lease and work until `stop` is set. While the exchange does not answer it
         waits with backoff (one log line every few seconds); after `exchange_wait_s` of silence it
         raises ExchangeUnreachable."""
-        manifest = manifest_for(self.identity, self.worker_id, self.settings.price, self.settings.reload_lag)
+        manifest = manifest_for(self.identity, self.worker_id, self.settings.price, self.settings.reload_lag,
+                                self.settings.pool)
         self.client.http.wait_for_exchange(self.settings.exchange_wait_s, stop=stop)
         if stop.is_set():
             return 0

@@ -80,7 +80,7 @@
         "reload_latency", "idle"][i];
     });
     fill("market-workers", r.workers.map((w) => [
-      w.worker_id, w.status, `${w.engine_name} ${w.engine_version} · ${w.device_count}× ${w.device_type} · ${w.region}`,
+      w.worker_id, w.pool || "—", w.status, `${w.engine_name} ${w.engine_version} · ${w.device_count}× ${w.device_type} · ${w.region}`,
       w.precision_classes.join(", "), w.engine_fingerprint.slice(0, 12), fmt(w.quality), fmt(w.price_hint, 2),
       `${w.leases} (${w.active_leases} active)`, w.accepted, w.rejected, w.accepted_tokens,
       counts(w.decisions).map(([k, v]) => `${k} ${v}`).join(", ") || "—",

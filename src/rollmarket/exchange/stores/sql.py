@@ -856,6 +856,7 @@ class SqlStore(Store):
                 feedback_count=row["feedback_count"], rejected_count=row["rejected_count"],
                 price_hint=row["price"],
                 last_heartbeat_at=_ts(row["last_heartbeat_at"]), registered_at=_ts(row["registered_at"]),
+                pool=manifest.pool,
             ))
         return summaries
 

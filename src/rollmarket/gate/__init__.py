@@ -15,6 +15,6 @@ from .integrity import (
     signature_valid,
 )
 from .opbc import decide, reasons_for, reject, status_for, triage_on_arrival
-from .validate import Finding, check_against_lease, check_group, check_provenance, reasons_of
+from .validate import Finding, check_against_lease, check_group, check_provenance, fingerprint_refused, reasons_of
 
 __all__ = [name for name in dir() if not name.startswith("_")]

@@ -57,6 +57,7 @@ EXPECTED: tuple[Expected, ...] = (
              "start it (`rollmarket exchange serve`) or point --url / ROLLMARKET_URL at it"),
     Expected("rollmarket.client.errors", "ExchangeError", FAILURE),
     Expected("rollmarket.worker.host", "HostError", FAILURE),
+    Expected("rollmarket.gate.integrity", "SigningKeyError", FAILURE),
     Expected("rollmarket.agents.model", "ModelCallError", FAILURE,
              "start the model server first (`rollmarket serve-model`) or fix --model-url"),
     Expected("rollmarket.verifiers.client", "ResourcesError", FAILURE,

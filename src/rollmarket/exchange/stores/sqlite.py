@@ -592,6 +592,10 @@ class SqliteStore(Store):
         "      ELSE req_quantization IN (SELECT value FROM json_each(:quantizations)) END)"
         " AND max_context <= :context AND (needs_experts = 0 OR :experts)"
         " AND (engines IS NULL OR EXISTS (SELECT 1 FROM json_each(jobs.engines) WHERE value = :engine))"
+        # A job's fingerprint rules (dispatch.job_mismatch), read from its body: no column to migrate.
+        " AND NOT EXISTS (SELECT 1 FROM json_each(jobs.body, '$.excluded_fingerprints') WHERE value = :fingerprint)"
+        " AND (COALESCE(json_array_length(jobs.body, '$.required_fingerprints'), 0) = 0"
+        "      OR EXISTS (SELECT 1 FROM json_each(jobs.body, '$.required_fingerprints') WHERE value = :fingerprint))"
     )
 
     async def lease(self, worker_id: str, now: float) -> LeaseGrant:
@@ -637,6 +641,7 @@ class SqliteStore(Store):
                 "context": manifest.max_context_tokens,
                 "experts": int(manifest.returns_routed_experts),
                 "engine": manifest.engine_name,
+                "fingerprint": manifest.engine_fingerprint,
             }
             order = " ORDER BY priority DESC, queued_at, rowid LIMIT 1"
             scores = self._competitors(conn, policy)

@@ -134,6 +134,7 @@ def test_python_dash_m_cli_main_reaches_every_command():
     ["captures", "export", "--store", "{tmp}/captures.db", "--out", "{tmp}/captures.jsonl"],
     ["profile", "{tmp}/rollouts.jsonl"],
     ["models", "info", "models/tiny-moe"],
+    ["keys", "generate", "--out", "{tmp}/worker.key"],
     ["exchange", "serve", "--help"],
     ["serve-model", "--help"],
     ["train", "--help"],
@@ -364,3 +365,15 @@ def test_without_local_a_missing_exchange_is_refused_before_the_run_directory(tm
         with pytest.raises(TrainConfigError, match=needle):
             Trainer(cfg).run()
         assert not runs.exists()
+
+
+@pytest.mark.parametrize("missing,extra", [("torch", "ml"), ("transformers.models.qwen3", "ml"), ("peft", "ml"),
+                                           ("psycopg", "postgres"), ("ray", "ray"), ("wandb", "trackers")])
+def test_a_package_of_a_missing_extra_names_the_extra(missing, extra):
+    """In a core install (tests/test_packaging.py runs one) an ML command fails to import torch: one
+    line naming the pip command. Any other missing module stays a bug with its traceback."""
+    from rollmarket.cli.errors import FAILURE, explain
+
+    line, code = explain(ModuleNotFoundError(f"No module named {missing!r}", name=missing))
+    assert code == FAILURE and line.startswith("error: ") and line.endswith(f"pip install 'rollmarket[{extra}]'")
+    assert explain(ModuleNotFoundError("No module named 'torchvision'", name="torchvision")) is None

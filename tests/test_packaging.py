@@ -84,6 +84,9 @@ def test_help_and_the_commands_of_the_core_work(core):
     # Package data came along: the shipped suites.
     done = core.rollmarket("suites", "ls", "--json")
     assert done.returncode == 0 and '"agent"' in done.stdout, done.stderr
+    # A remote worker's key is made where only the core is installed.
+    done = core.rollmarket("keys", "generate", "--out", "worker.key")
+    assert done.returncode == 0 and len(done.stdout.strip()) == 44, done.stderr
 
 
 @pytest.mark.parametrize("args", [

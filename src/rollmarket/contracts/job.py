@@ -138,8 +138,17 @@ class RolloutJob(Record):
         return self
 
     def digest(self) -> str:
-        """Hash of the job's content, used to tell a retry from a conflicting enqueue."""
-        return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
+        """Hash of the job's content, used to tell a retry from a conflicting enqueue. Fields added
+        after a job was stored count only when set, so its retry still matches its stored digest."""
+        data = self.model_dump(mode="json")
+        for name in _ADDED_FIELDS:
+            if not data[name]:
+                del data[name]
+        return hashlib.sha256(canonical_json(data)).hexdigest()
+
+
+_ADDED_FIELDS = ("required_fingerprints", "excluded_fingerprints")
+"""RolloutJob fields younger than the digests of jobs already stored."""
 
 
 class LeaseState(str, Enum):

@@ -10,6 +10,7 @@ line naming `pip install 'rollmarket[ml]'`, not a traceback.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -141,3 +142,30 @@ def test_the_services_of_the_core_start_and_answer(core):
             proc.terminate()
         for proc in procs.values():
             proc.wait(timeout=30)
+
+
+def test_a_remote_worker_runs_from_the_core_and_signs_its_groups(core, tmp_path):
+    """`rollmarket worker --model-url` needs no torch: from the core install it samples from a model
+    server elsewhere (here `serve-model` of the test environment), signs with a key made there, and
+    an exchange that requires signatures stores its group."""
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    from helpers import ExchangeProcess, served_model
+    from test_worker import MOE, jobs, policy
+
+    assert core.rollmarket("keys", "generate", "--out", "remote.key").returncode == 0
+    public = load_pem_private_key((core.home / "remote.key").read_bytes(), None).public_key()
+    exchange = ExchangeProcess(tmp_path / "ex.db", tmp_path / "ex.log").start()
+    try:
+        trainer = exchange.trainer()
+        trainer.publish_policy(policy(0, MOE).model_copy(update={"require_signatures": True}))
+        trainer.enqueue(jobs(0, 1, max_tokens=16))
+        with served_model(MOE, tmp_path / "serve.log") as model_url:
+            done = core.run(core.bin("rollmarket"), "worker", "--model-url", model_url, "--exchange", exchange.url,
+                            "--signing-key", "remote.key", "--max-groups", "1", timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        [served] = trainer.fetch(limit=5).groups
+    finally:
+        exchange.stop()
+    group = served.group
+    public.verify(base64.b64decode(group.signature), b"rollmarket.sample_group.sig.v1:" + group.content_hash.encode())

@@ -179,14 +179,18 @@ def test_rollmarket_worker_with_a_signing_key_signs_every_group(exchange, keypai
 
 
 def test_a_job_s_fingerprint_rules_hold_at_lease(exchange):
+    """The rules judge the fingerprint a worker acked for the version it runs, not the one it
+    registered with: numerics change with the checkpoint."""
     trusted, other = sha("build-a"), sha("build-b")
     trainer = exchange.trainer()
     trainer.publish_policy(policy(0))
     only_a = job(0, required_fingerprints=[trusted], priority=1)
     not_a = job(1, excluded_fingerprints=[trusted])
     trainer.enqueue([only_a, not_a])
-    a = worker(exchange.url, "on-a", fingerprint=trusted)
-    b = worker(exchange.url, "on-b", fingerprint=other)
+    a = worker(exchange.url, "on-a", fingerprint=other)
+    a.ack_reload(0, sha("ckpt-0"), engine_fingerprint=trusted)
+    b = worker(exchange.url, "on-b", fingerprint=trusted)
+    b.ack_reload(0, sha("ckpt-0"), engine_fingerprint=other)
     # b would take the higher-priority job first if it were allowed to.
     assert lease_one(b).job.job_id == not_a.job_id
     assert lease_one(a).job.job_id == only_a.job_id
@@ -200,19 +204,19 @@ def test_a_job_s_fingerprint_rules_hold_at_lease(exchange):
 
 
 def test_the_gate_refuses_a_group_whose_fingerprint_the_job_excludes(exchange):
-    """The lease check sees the fingerprint a worker registered; after a reload its groups carry the
-    fingerprint it acked, and the gate checks that one against the lease's rules."""
-    registered, after_reload = sha("build-a"), sha("build-a, new kernels")
+    """A worker leased a job under one fingerprint whose numerics change before it submits (it acks
+    the same version again with another fingerprint): the gate checks the group's fingerprint
+    against the lease's rules."""
+    before, after = sha("build-a"), sha("build-a, new kernels")
     trainer = exchange.trainer()
     trainer.publish_policy(policy(0))
-    trainer.enqueue([job(0, excluded_fingerprints=[after_reload])])
-    client = WorkerClient(exchange.url)
-    client.register(manifest("drifted", engine_fingerprint=registered))
-    client.ack_reload(0, sha("ckpt-0"), engine_fingerprint=after_reload)
-    client.loaded_fingerprint = after_reload
+    trainer.enqueue([job(0, excluded_fingerprints=[after])])
+    client = worker(exchange.url, "drifted", fingerprint=before)
     grant = lease_one(client)
+    client.ack_reload(0, sha("ckpt-0"), engine_fingerprint=after)
+    client.loaded_fingerprint = after
     group = client.group_for(grant, trajectories(2))
-    assert group.engine_fingerprint == after_reload
+    assert group.engine_fingerprint == after
     with pytest.raises(Rejected) as refused:
         client.submit(group)
     assert refused.value.rejection_reasons == [RejectionReason.fingerprint_not_allowed]

@@ -27,8 +27,10 @@ def policy_mismatch(worker: WorkerManifest, policy: PolicyManifest) -> str | Non
     return None
 
 
-def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest) -> str | None:
-    """Why a worker cannot run this job under this policy, or None when it can."""
+def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest,
+                 fingerprint: str | None = None) -> str | None:
+    """Why a worker cannot run this job under this policy, or None when it can. `fingerprint` is the
+    one the worker acked for the version it runs; None means its manifest's (before any ack)."""
     reason = policy_mismatch(worker, policy)
     if reason:
         return reason
@@ -44,7 +46,8 @@ def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest
         return f"engine {worker.engine_name} not allowed by the job"
     if job.requires_routed_experts and not worker.returns_routed_experts:
         return "job needs routed experts"
-    return fingerprint_refused(worker.engine_fingerprint, job.required_fingerprints, job.excluded_fingerprints)
+    return fingerprint_refused(fingerprint or worker.engine_fingerprint, job.required_fingerprints,
+                               job.excluded_fingerprints)
 
 
 

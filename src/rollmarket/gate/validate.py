@@ -153,8 +153,8 @@ def check_provenance(group: SampleGroup, manifest: WorkerManifest) -> list[Findi
 
 def fingerprint_refused(fingerprint: str, required: list[str], excluded: list[str]) -> str | None:
     """Why a job's fingerprint rules refuse this engine fingerprint, or None. The exchange checks it
-    at lease on the fingerprint the worker registered (exchange/dispatch.py), the gate at submit on
-    the group's."""
+    at lease on the fingerprint the worker acked (exchange/dispatch.py), the gate at submit on the
+    group's."""
     if fingerprint in excluded:
         return f"engine fingerprint {fingerprint[:12]}… is excluded by the job"
     if required and fingerprint not in required:

@@ -641,7 +641,7 @@ class SqliteStore(Store):
                 "context": manifest.max_context_tokens,
                 "experts": int(manifest.returns_routed_experts),
                 "engine": manifest.engine_name,
-                "fingerprint": manifest.engine_fingerprint,
+                "fingerprint": row["loaded_fingerprint"] or manifest.engine_fingerprint,
             }
             order = " ORDER BY priority DESC, queued_at, rowid LIMIT 1"
             scores = self._competitors(conn, policy)

@@ -132,6 +132,12 @@ def test_the_services_of_the_core_start_and_answer(core):
         for answer, reward in (("4", 1.0), ("5", 0.0)):
             verdict = httpx.post(url["verifier"] + "/verify", json={"task": task, "answer": answer, "tool_calls": []})
             assert verdict.status_code == 200 and verdict.json()["reward"] == reward, verdict.text
+        # A tool that reads the shipped world (package data) answers inside a session.
+        with httpx.Client(base_url=url["verifier"]) as session:
+            seeded = session.post("/seed_session", json={"task": {**task, "tools": ["web_search"]}})
+            assert seeded.status_code == 200, seeded.text
+            found = session.post("/web_search", json={"query": "capital"})
+            assert found.status_code == 200 and "Its capital is" in found.json()["content"], found.text
         # The proxy's upstream is down: it says so as an OpenAI-style error, it does not crash.
         failed = httpx.post(url["proxy"] + "/v1/chat/completions",
                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}]}, timeout=60)

@@ -337,6 +337,7 @@ def test_list_keys_prints_every_key_with_type_default_and_help(monkeypatch):
     ("rollout.precisions=['fp9']", "fp9"),
     ("local.workers=['fp9']", "fp9"),
     ("rollout.precisions=['fp32']", "local.workers"),
+    ("exchange.require_signatures=true", "no signing keys"),
 ])
 def test_a_bad_training_config_leaves_no_run_directory(tmp_path, monkeypatch, override, needle):
     runs = tmp_path / "runs"

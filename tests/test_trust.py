@@ -175,6 +175,33 @@ def test_rollmarket_worker_with_a_signing_key_signs_every_group(exchange, keypai
     assert all(verifies(public, g.content_hash, g.signature) for g in groups)
 
 
+@pytest.mark.slow
+def test_rollmarket_train_publishes_a_policy_that_requires_signatures(exchange, tmp_path):
+    """`exchange.require_signatures=true`: the policy the trainer publishes at start says so, read
+    back from the exchange (the trainer is stopped once it has published)."""
+    from helpers import TRAINER_TOKEN, wait_until
+
+    log = open(tmp_path / "train.log", "wb")
+    trainer_process = subprocess.Popen(
+        [sys.executable, "-m", "rollmarket", "train", str(ROOT / "configs" / "train-lookup.toml"),
+         f"exchange.url={exchange.url}", "exchange.require_signatures=true", "loop.steps=1",
+         f"runs_root={tmp_path / 'runs'}"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "ROLLMARKET_TRAINER_TOKEN": TRAINER_TOKEN})
+    trainer = exchange.trainer()
+
+    def policies():
+        assert trainer_process.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
+        return trainer.policies()
+
+    try:
+        [published] = wait_until("the trainer publishes its first policy", policies, timeout=180, every=0.5)
+    finally:
+        trainer_process.kill()
+        trainer_process.wait(30)
+        log.close()
+    assert published.require_signatures is True
+
+
 # -- fingerprints --------------------------------------------------------------------------------
 
 

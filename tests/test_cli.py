@@ -211,6 +211,11 @@ def test_services_that_need_no_model_run_without_torch_mapped(tmp_path, service)
     (["train", "loop.steps=many"], 2, ["loop.steps", "many", "integer"]),
     (["train", "{tmp}/missing.toml"], 2, ["missing.toml", "No such file", "configs/train-lookup.toml"]),
     (["train", "--resume", "{tmp}", "--local"], 2, ["not a training run directory"]),
+    (["worker", "--model", "models/tiny-moe", "--signing-key", "{tmp}/no.key"], 1, ["no.key", "No such file"]),
+    (["worker", "--model", "models/tiny-moe", "--signing-key", "README.md"], 1,
+     ["README.md", "open to other users", "chmod 600 README.md"]),
+    (["keys", "generate", "--out", "/dev/null/worker.key"], 1, ["/dev/null/worker.key", "Not a directory"]),
+    (["keys", "public", "{tmp}/no.key"], 2, ["no.key", "does not exist"]),
 ])
 def test_a_mistake_gets_one_line_and_no_traceback(tmp_path, monkeypatch, args, code, needles):
     done = in_process(*[a.format(tmp=tmp_path) for a in args], monkeypatch=monkeypatch)

@@ -103,14 +103,25 @@ def test_keys_generate_writes_a_private_file_and_prints_its_public_key(tmp_path,
     assert path.read_bytes() == before
 
 
-def test_a_key_readable_by_others_is_refused(tmp_path, keypair):
-    loose = tmp_path / "loose.key"
-    loose.write_bytes(keypair[0].read_bytes())
-    loose.chmod(0o644)
-    done = subprocess.run([sys.executable, "-m", "rollmarket", "keys", "public", str(loose)],
+def keys_public(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollmarket", "keys", "public", str(path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.startswith("error: ") and f"chmod 600 {loose}" in done.stderr
+
+
+def test_a_key_open_to_others_or_not_a_key_is_refused(tmp_path, keypair):
+    key_file, public = keypair
+    assert keys_public(key_file).stdout.strip() == public
+    loose = tmp_path / "loose.key"
+    loose.write_bytes(key_file.read_bytes())
+    loose.chmod(0o640)
+    done = keys_public(loose)
+    assert done.returncode == 1 and done.stderr.startswith("error: ") and f"chmod 600 {loose}" in done.stderr
+    junk = tmp_path / "junk.key"
+    junk.write_text("not a key\n")
+    junk.chmod(0o600)
+    done = keys_public(junk)
+    assert done.returncode == 1 and "not an unencrypted PEM private key" in done.stderr
+    assert "rollmarket keys generate" in done.stderr and "Traceback" not in done.stderr
 
 
 # -- a policy that requires signatures -----------------------------------------------------------

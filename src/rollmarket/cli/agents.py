@@ -164,6 +164,10 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
         problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')} {e['input']!r}: {e['msg']}"
                              for e in exc.errors())
         raise click.UsageError(problems) from None
+    if settings.signing_key is not None:
+        from ..gate.integrity import load_signing_key
+
+        load_signing_key(settings.signing_key)  # a bad key fails before a model loads
     try:
         with console.status(f"loading {model_path or model_url}"):
             host = (EmbeddedHost(model_path, precision, device, threads=threads) if model_path

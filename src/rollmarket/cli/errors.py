@@ -4,8 +4,9 @@ traceback. `rollmarket --debug` (or ROLLMARKET_DEBUG=1) shows the traceback of e
 
 Expected errors are the library's typed errors listed in EXPECTED, click's own usage errors,
 file-system errors that name a file, and a package of an extra missing from a core install (EXTRAS:
-`pip install rollmarket` has no torch; `rollmarket train` then names `pip install 'rollmarket[ml]'`). The table names classes by module so that nothing is imported
-to check them: an exception can only be of a class whose module is already loaded.
+`pip install rollmarket` has no torch, so `rollmarket train` names `pip install 'rollmarket[ml]'`).
+The table names classes by module so that nothing is imported to check them: an exception can only
+be of a class whose module is already loaded.
 """
 
 from __future__ import annotations

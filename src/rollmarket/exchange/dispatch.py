@@ -50,7 +50,6 @@ def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest
                                job.excluded_fingerprints)
 
 
-
 def lease_requirements(job: RolloutJob, policy: PolicyManifest) -> LeaseRequirements:
     """What a submission under a lease on `job` at `policy` must match."""
     engines = sorted(set(job.allowed_engines) & set(policy.allowed_engines)) if (

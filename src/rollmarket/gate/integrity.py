@@ -33,7 +33,7 @@ def public_key_b64(key: Ed25519PrivateKey) -> str:
 
 
 class SigningKeyError(ValueError):
-    """A signing key file that cannot be written or used (missing, not ed25519, readable by others)."""
+    """A signing key file that cannot be written (it exists) or used (not ed25519, open to others)."""
 
     def __init__(self, path: Path, problem: str, fix: str):
         super().__init__(f"{path}: {problem}")
@@ -60,7 +60,7 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
     key that others can read is refused: whoever reads it can sign as this worker."""
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if mode & 0o077:
-        raise SigningKeyError(path, f"is readable by others (mode {mode:04o})", f"chmod 600 {path}")
+        raise SigningKeyError(path, f"is open to other users (mode {mode:04o})", f"chmod 600 {path}")
     try:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     except (ValueError, TypeError) as exc:

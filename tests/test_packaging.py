@@ -2,7 +2,8 @@
 torch-free core, and the core runs.
 
 The source tree is installed (not editable) into a fresh virtual environment with only the core's
-dependencies, from the package index like a user's install (pip's cache keeps it quick). There,
+dependencies, from the package index like a user's install (pip's cache keeps it quick; this is the
+one test that reaches beyond loopback, through pip). There,
 `import torch` fails; the exchange, the capture proxy, the resources server and the dashboard start
 as processes and answer; `rollmarket --help` works; and a command of the ML layer answers with one
 line naming `pip install 'rollmarket[ml]'`, not a traceback.
@@ -24,7 +25,8 @@ from rollmarket.localhost import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 ML_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "peft")
-pytestmark = pytest.mark.slow
+# The first test to run builds the install (about 30 s with pip's cache warm, minutes without it).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 class CoreInstall:

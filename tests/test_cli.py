@@ -134,6 +134,7 @@ def test_python_dash_m_cli_main_reaches_every_command():
     ["captures", "export", "--store", "{tmp}/captures.db", "--out", "{tmp}/captures.jsonl"],
     ["profile", "{tmp}/rollouts.jsonl"],
     ["models", "info", "models/tiny-moe"],
+    ["keys", "generate", "--out", "{tmp}/worker.key"],
     ["exchange", "serve", "--help"],
     ["serve-model", "--help"],
     ["train", "--help"],
@@ -210,6 +211,11 @@ def test_services_that_need_no_model_run_without_torch_mapped(tmp_path, service)
     (["train", "loop.steps=many"], 2, ["loop.steps", "many", "integer"]),
     (["train", "{tmp}/missing.toml"], 2, ["missing.toml", "No such file", "configs/train-lookup.toml"]),
     (["train", "--resume", "{tmp}", "--local"], 2, ["not a training run directory"]),
+    (["worker", "--model", "models/tiny-moe", "--signing-key", "{tmp}/no.key"], 1, ["no.key", "No such file"]),
+    (["worker", "--model", "models/tiny-moe", "--signing-key", "README.md"], 1,
+     ["README.md", "open to other users", "chmod 600 README.md"]),
+    (["keys", "generate", "--out", "/dev/null/worker.key"], 1, ["/dev/null/worker.key", "Not a directory"]),
+    (["keys", "public", "{tmp}/no.key"], 2, ["no.key", "does not exist"]),
 ])
 def test_a_mistake_gets_one_line_and_no_traceback(tmp_path, monkeypatch, args, code, needles):
     done = in_process(*[a.format(tmp=tmp_path) for a in args], monkeypatch=monkeypatch)
@@ -336,6 +342,7 @@ def test_list_keys_prints_every_key_with_type_default_and_help(monkeypatch):
     ("rollout.precisions=['fp9']", "fp9"),
     ("local.workers=['fp9']", "fp9"),
     ("rollout.precisions=['fp32']", "local.workers"),
+    ("exchange.require_signatures=true", "no signing keys"),
 ])
 def test_a_bad_training_config_leaves_no_run_directory(tmp_path, monkeypatch, override, needle):
     runs = tmp_path / "runs"
@@ -364,3 +371,15 @@ def test_without_local_a_missing_exchange_is_refused_before_the_run_directory(tm
         with pytest.raises(TrainConfigError, match=needle):
             Trainer(cfg).run()
         assert not runs.exists()
+
+
+@pytest.mark.parametrize("missing,extra", [("torch", "ml"), ("transformers.models.qwen3", "ml"), ("peft", "ml"),
+                                           ("psycopg", "postgres"), ("ray", "ray"), ("wandb", "trackers")])
+def test_a_package_of_a_missing_extra_names_the_extra(missing, extra):
+    """In a core install (tests/test_packaging.py runs one) an ML command fails to import torch: one
+    line naming the pip command. Any other missing module stays a bug with its traceback."""
+    from rollmarket.cli.errors import FAILURE, explain
+
+    line, code = explain(ModuleNotFoundError(f"No module named {missing!r}", name=missing))
+    assert code == FAILURE and line.startswith("error: ") and line.endswith(f"pip install 'rollmarket[{extra}]'")
+    assert explain(ModuleNotFoundError("No module named 'torchvision'", name="torchvision")) is None

@@ -479,6 +479,25 @@ def _expected_sampling_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def test_a_job_s_digest_is_unchanged_by_fingerprint_fields_it_does_not_use():
+    """An exchange stored jobs with the digest of their JSON before RolloutJob had fingerprint rules;
+    a retry of such a job must still match it (a changed digest is an idempotency conflict)."""
+    plain = job(3)
+    before = {k: v for k, v in json.loads(plain.model_dump_json()).items()
+              if k not in ("required_fingerprints", "excluded_fingerprints")}
+    stored = hashlib.sha256(json.dumps(before, sort_keys=True, separators=(",", ":"),
+                                       ensure_ascii=False).encode()).hexdigest()
+    assert plain.digest() == stored
+    assert RolloutJob.model_validate(before).digest() == stored
+    ruled = plain.model_copy(update={"excluded_fingerprints": [sha("build")]})
+    assert ruled.digest() != stored
+
+
+def test_a_fingerprint_both_required_and_excluded_is_refused():
+    with pytest.raises(ValidationError, match="both required and excluded"):
+        job(0, required_fingerprints=[sha("a"), sha("b")], excluded_fingerprints=[sha("b")])
+
+
 def test_rollout_job_fills_its_derived_fields():
     task = TaskSpec(task_id="t", prompt="hi", verifier="v")
     first = RolloutJob(task=task, policy_version=0, group_size=2)

@@ -336,6 +336,24 @@ assert "torch" not in sys.modules and "transformers" not in sys.modules
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def test_without_tokenizers_a_generation_shows_its_token_ids(runs_dir):
+    """A core install (`pip install rollmarket`) has no `tokenizers`: the page still opens, each token
+    shown as its id. Run in a process where importing tokenizers fails."""
+    code = f"""
+import sys
+sys.modules["tokenizers"] = None  # import tokenizers now raises ImportError
+from fastapi.testclient import TestClient
+from rollmarket.dashboard import create_dashboard_app
+client = TestClient(create_dashboard_app({str(runs_dir)!r}))
+response = client.get("/train/{RUN_ID}/rollouts/22.json")
+assert response.status_code == 200, response.text
+print(" ".join(t["text"] for s in response.json()["segments"] for t in s["tokens"]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [f"⟨{i}⟩" for i in MODEL_A + TOOL + MODEL_B]
+
+
 def test_pages_load_nothing_from_the_network(client):
     for url in (f"/train/{RUN_ID}/rollouts", f"/train/{RUN_ID}/rollouts/3"):
         html = client.get(url).text

@@ -95,6 +95,24 @@ def test_routed_experts_need_a_worker_that_returns_them():
     assert job_mismatch(manifest(returns_routed_experts=True), job(), policy()) is None
 
 
+def test_a_signing_policy_leaves_out_workers_without_a_key():
+    reason = policy_mismatch(manifest(), policy(require_signatures=True))
+    assert reason == "the policy requires signed groups and the worker registered no public key"
+    assert policy_mismatch(manifest(public_key="A" * 44), policy(require_signatures=True)) is None
+    assert policy_mismatch(manifest(), policy()) is None
+
+
+def test_fingerprint_rules_judge_the_acked_fingerprint_else_the_registered_one():
+    registered, acked = sha("build-a"), sha("build-a at v3")
+    worker = manifest(engine_fingerprint=registered)
+    only_acked = job(required_fingerprints=[acked])
+    assert "not one the job requires" in job_mismatch(worker, only_acked, policy())
+    assert job_mismatch(worker, only_acked, policy(), fingerprint=acked) is None
+    not_acked = job(excluded_fingerprints=[acked])
+    assert job_mismatch(worker, not_acked, policy()) is None
+    assert "excluded by the job" in job_mismatch(worker, not_acked, policy(), fingerprint=acked)
+
+
 # --------------------------------------------------------------------------------------------
 # lease_requirements
 # --------------------------------------------------------------------------------------------
@@ -136,6 +154,15 @@ def test_lease_engines_are_what_both_job_and_policy_allow(job_engines, policy_en
 
 def test_vocab_size_none_skips_the_check():
     assert lease_requirements(job(), policy(vocab_size=None)).vocab_size is None
+
+
+def test_lease_requirements_carry_the_trust_rules():
+    req = lease_requirements(job(required_fingerprints=[sha("a")], excluded_fingerprints=[sha("b")]),
+                             policy(require_signatures=True))
+    assert (req.require_signature, req.required_fingerprints, req.excluded_fingerprints) == (
+        True, [sha("a")], [sha("b")])
+    plain = lease_requirements(job(), policy())
+    assert (plain.require_signature, plain.required_fingerprints, plain.excluded_fingerprints) == (False, [], [])
 
 
 # --------------------------------------------------------------------------------------------

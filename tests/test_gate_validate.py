@@ -334,7 +334,7 @@ def test_lease_checks_and_group_checks_together_cover_the_reasons():
         RR.sampling_config_mismatch, RR.engine_not_allowed, RR.fingerprint_mismatch,
         RR.group_size_mismatch, RR.context_overflow, RR.token_out_of_vocab,
         RR.missing_routed_experts, RR.bad_signature, RR.engine_mismatch, RR.engine_version_mismatch,
-        RR.device_mismatch,
+        RR.device_mismatch, RR.signature_required, RR.fingerprint_not_allowed,
     }
     assert set(RR) - produced_here == {RR.unknown_lease}
 
@@ -401,6 +401,26 @@ def test_the_signature_covers_the_content_hash_only(key):
     assert lease_reasons(stamped, public_key=public) == []
     assert signature_valid(signed.content_hash, signed.signature, public)
     assert not signature_valid(sha("other"), signed.signature, public)
+
+
+def test_a_signing_policy_refuses_an_unsigned_group_and_takes_a_signed_one(key):
+    public = load_public_key(public_key_b64(key))
+    strict = lease(require_signature=True)
+    assert lease_reasons(group(), strict) == [RR.signature_required]
+    assert lease_reasons(group(), strict, public_key=public) == [RR.signature_required]
+    assert lease_reasons(sign_group(group(seal=False), key), strict, public_key=public) == []
+    assert lease_reasons(group(), lease()) == []  # off by default
+
+
+@pytest.mark.parametrize("rules,allowed", [
+    ({}, True),
+    ({"required_fingerprints": [FINGERPRINT]}, True),
+    ({"required_fingerprints": [sha("another build")]}, False),
+    ({"excluded_fingerprints": [FINGERPRINT]}, False),
+    ({"excluded_fingerprints": [sha("another build")]}, True),
+])
+def test_a_jobs_fingerprint_rules_hold_at_submit(rules, allowed):
+    assert lease_reasons(group(), lease(**rules)) == ([] if allowed else [RR.fingerprint_not_allowed])
 
 
 @pytest.mark.parametrize("text", ["", "not base64!", base64.b64encode(b"x" * 31).decode()])

@@ -42,7 +42,8 @@ def jobs(version: int, n: int, *, group_size: int = 2, suite: str = "arithmetic"
 
 
 class Worker:
-    def __init__(self, url: str, worker_id: str, tmp: Path, precision: str = "bf16", model_url: str | None = None):
+    def __init__(self, url: str, worker_id: str, tmp: Path, precision: str = "bf16", model_url: str | None = None,
+                 args: tuple[str, ...] = ()):
         self.events = tmp / f"{worker_id}.events.jsonl"
         self.rollouts = tmp / f"{worker_id}.rollouts.jsonl"
         self.log = open(tmp / f"{worker_id}.log", "ab")
@@ -50,7 +51,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollmarket", "worker", *model,
              "--threads", "1", "--exchange", url, "--worker-id", worker_id, "--heartbeat-s", "0.4",
-             "--lease-wait-s", "1", "--events", str(self.events), "--rollouts", str(self.rollouts)],
+             "--lease-wait-s", "1", "--events", str(self.events), "--rollouts", str(self.rollouts), *args],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def seen(self) -> list[dict]:

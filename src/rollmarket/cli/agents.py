@@ -193,6 +193,10 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
     spec = host_spec(model_path, model_url, model_dir, precision, device, threads)
     settings = worker_settings(values)
     try:
+        if settings.signing_key is not None:
+            from ..gate.integrity import load_signing_key
+
+            load_signing_key(settings.signing_key)  # a bad key fails before a model loads
         with console.status(f"loading {spec.label}"):
             host = spec.open()
             worker = AgentWorker(settings, host)

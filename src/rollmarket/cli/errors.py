@@ -2,9 +2,11 @@
 fix`, and an exit code (2 for a usage error, 1 otherwise); anything else is a bug and keeps its
 traceback. `rollmarket --debug` (or ROLLMARKET_DEBUG=1) shows the traceback of expected errors too.
 
-Expected errors are the library's typed errors listed in EXPECTED, click's own usage errors, and
-file-system errors that name a file. The table names classes by module so that nothing is imported
-to check them: an exception can only be of a class whose module is already loaded.
+Expected errors are the library's typed errors listed in EXPECTED, click's own usage errors,
+file-system errors that name a file, and a package of an extra missing from a core install (EXTRAS:
+`pip install rollmarket` has no torch, so `rollmarket train` names `pip install 'rollmarket[ml]'`).
+The table names classes by module so that nothing is imported to check them: an exception can only
+be of a class whose module is already loaded.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ EXPECTED: tuple[Expected, ...] = (
              "pick another --name, or `rollmarket pool stop NAME` first"),
     Expected("rollmarket.worker.pool", "PoolError", FAILURE,
              "is the Ray cluster up (`ray status --address HOST:PORT`)?"),
+    Expected("rollmarket.gate.integrity", "SigningKeyError", FAILURE),
     Expected("rollmarket.agents.model", "ModelCallError", FAILURE,
              "start the model server first (`rollmarket serve-model`) or fix --model-url"),
     Expected("rollmarket.verifiers.client", "ResourcesError", FAILURE,
@@ -80,6 +83,22 @@ EXPECTED: tuple[Expected, ...] = (
 )
 
 _FILE_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+
+# Packages that come only with an extra (pyproject's [project.optional-dependencies]): a command that
+# imports one in a core install (`pip install rollmarket`) says which extra to install.
+EXTRAS: dict[str, str] = {
+    "torch": "ml", "transformers": "ml", "tokenizers": "ml", "safetensors": "ml", "peft": "ml",
+    "psycopg": "postgres", "psycopg_pool": "postgres",
+    "ray": "ray",
+    "wandb": "trackers", "tensorboard": "trackers",
+}
+
+
+def missing_extra(exc: BaseException) -> str | None:
+    """The extra whose package `exc` failed to import, or None when it is no such failure."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return None
+    return EXTRAS.get(exc.name.partition(".")[0])
 
 
 def _expected_class(exc: BaseException) -> Expected | None:
@@ -108,6 +127,10 @@ def explain(exc: BaseException) -> tuple[str, int] | None:
     if entry is not None:
         fix = getattr(exc, "fix", None) or entry.fix
         return f"error: {one_line(str(exc))}" + (f" — {fix}" if fix else ""), entry.exit_code
+    extra = missing_extra(exc)
+    if extra is not None:
+        return (f"error: this command needs {exc.name}, which comes with the {extra} extra and is not installed"
+                f" — pip install 'rollmarket[{extra}]'"), FAILURE
     if isinstance(exc, _FILE_ERRORS) and exc.filename:
         return f"error: {exc.filename}: {exc.strerror} — check the path", FAILURE
     return None

@@ -57,6 +57,8 @@ COMMANDS: dict[str, LazyCommand] = {
     "explain": LazyCommand("rollmarket.cli.explain", "explain",
                            "A dry run of a train config or campaign file: what would run, jobs, tokens, evaluation "
                            "cost and an estimate of time."),
+    "keys": LazyCommand("rollmarket.cli.keys", "keys",
+                        "Make and inspect the ed25519 keys workers sign submissions with."),
     "models": LazyCommand("rollmarket.cli.models", "models",
                           "Build and inspect the tiny shipped models (tiny-dense, tiny-moe, tiny-start)."),
     "observe": LazyCommand("rollmarket.cli.observe", "observe",

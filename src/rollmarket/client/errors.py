@@ -70,7 +70,8 @@ class Rejected(ExchangeError):
 
     @property
     def rejection_reasons(self) -> list[RejectionReason]:
-        return [RejectionReason(r) for r in self.reasons if r in RejectionReason._value2member_map_]
+        known = {reason.value for reason in RejectionReason}  # a newer exchange may send reasons this client lacks
+        return [RejectionReason(r) for r in self.reasons if r in known]
 
 
 class ServerError(ExchangeError):

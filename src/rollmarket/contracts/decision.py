@@ -80,6 +80,10 @@ class RejectionReason(str, Enum):
     token_out_of_vocab = "token_out_of_vocab"
     context_overflow = "context_overflow"
     bad_signature = "bad_signature"
+    signature_required = "signature_required"
+    """The policy requires signatures and the group carries none."""
+    fingerprint_not_allowed = "fingerprint_not_allowed"
+    """The group's engine fingerprint is excluded by its job, or not among those the job requires."""
     hash_mismatch = "hash_mismatch"
 
 

@@ -95,6 +95,14 @@ class RolloutJob(Record):
                                         description="Empty allows any.")
     max_context_tokens: int = Field(default=4096, ge=1, le=MAX_TOKENS)
     requires_routed_experts: bool = False
+    required_fingerprints: list[Name] = Field(
+        default_factory=list, max_length=MAX_NAMES,
+        description="Engine fingerprints allowed to run this job (docs/security.md); empty allows any.",
+    )
+    excluded_fingerprints: list[Name] = Field(
+        default_factory=list, max_length=MAX_NAMES,
+        description="Engine fingerprints never leased this job, and whose groups for it are rejected.",
+    )
     idempotency_key: str = Field(
         default=None, min_length=1, max_length=256,
         description="Enqueueing the same key twice yields one job; defaults to job_id.",
@@ -124,11 +132,23 @@ class RolloutJob(Record):
     def _check_hash(self) -> "RolloutJob":
         if self.sampling_config_hash != self.sampling_config.digest():
             raise ValueError("sampling_config_hash does not match sampling_config")
+        both = sorted(set(self.required_fingerprints) & set(self.excluded_fingerprints))
+        if both:
+            raise ValueError(f"fingerprints both required and excluded: {both}")
         return self
 
     def digest(self) -> str:
-        """Hash of the job's content, used to tell a retry from a conflicting enqueue."""
-        return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
+        """Hash of the job's content, used to tell a retry from a conflicting enqueue. Fields added
+        after a job was stored count only when set, so its retry still matches its stored digest."""
+        data = self.model_dump(mode="json")
+        for name in _ADDED_FIELDS:
+            if not data[name]:
+                del data[name]
+        return hashlib.sha256(canonical_json(data)).hexdigest()
+
+
+_ADDED_FIELDS = ("required_fingerprints", "excluded_fingerprints")
+"""RolloutJob fields younger than the digests of jobs already stored."""
 
 
 class LeaseState(str, Enum):
@@ -153,6 +173,13 @@ class LeaseRequirements(Record):
     allowed_engines: list[Name] = Field(max_length=MAX_NAMES)
     requires_routed_experts: bool
     vocab_size: int | None = Field(ge=1, le=2**31 - 1)
+    # Defaults keep leases issued before these fields existed readable.
+    require_signature: bool = Field(
+        default=False, description="The policy requires every group to carry a valid signature.")
+    required_fingerprints: list[Name] = Field(
+        default_factory=list, max_length=MAX_NAMES, description="The job's allowed engine fingerprints; empty allows any.")
+    excluded_fingerprints: list[Name] = Field(
+        default_factory=list, max_length=MAX_NAMES, description="The job's excluded engine fingerprints.")
 
 
 class RolloutLease(Record):

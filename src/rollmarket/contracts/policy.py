@@ -32,6 +32,11 @@ class PolicyManifest(Record):
     allowed_engines: list[Name] = Field(
         default_factory=list, max_length=MAX_NAMES, description="Engine names allowed to roll out; empty allows any."
     )
+    require_signatures: bool = Field(
+        default=False,
+        description="Every group must be signed with the ed25519 key its worker registered; workers "
+                    "without a key are not leased jobs (docs/security.md).",
+    )
     created_at: UtcDatetime = Field(default_factory=utc_now)
 
 

@@ -564,15 +564,19 @@ def _open_readonly(path: Path) -> sqlite3.Connection:
 
 
 def _tokenizer(run_dir: Path):
-    """The run's tokenizer from its newest checkpoint (tokenizers only: the dashboard never loads torch)."""
+    """The run's tokenizer from its newest checkpoint (tokenizers only: the dashboard never loads torch).
+    None without a checkpoint, or in a core install (`tokenizers` comes with the ml extra): the page
+    then shows token ids."""
     candidates = sorted((run_dir / "checkpoints").glob("v*/tokenizer.json"), reverse=True)
     return _load_tokenizer(str(candidates[0])) if candidates else None
 
 
 @lru_cache(maxsize=8)
 def _load_tokenizer(path: str):
-    from tokenizers import Tokenizer
-
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
     return Tokenizer.from_file(path)
 
 

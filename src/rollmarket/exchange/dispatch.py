@@ -6,6 +6,7 @@ Pure functions over contracts, shared by every store backend.
 from __future__ import annotations
 
 from ..contracts import LeaseRequirements, PolicyManifest, RolloutJob, WorkerManifest
+from ..gate import fingerprint_refused
 
 ANY_TOKENIZER = "*"
 
@@ -21,11 +22,15 @@ def policy_mismatch(worker: WorkerManifest, policy: PolicyManifest) -> str | Non
         return f"contract {worker.contract_version} != {policy.engine_contract_version}"
     if not (worker.returns_token_ids and worker.returns_sampled_logprobs):
         return "worker does not return token ids and sampled logprobs"
+    if policy.require_signatures and worker.public_key is None:
+        return "the policy requires signed groups and the worker registered no public key"
     return None
 
 
-def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest) -> str | None:
-    """Why a worker cannot run this job under this policy, or None when it can."""
+def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest,
+                 fingerprint: str | None = None) -> str | None:
+    """Why a worker cannot run this job under this policy, or None when it can. `fingerprint` is the
+    one the worker acked for the version it runs; None means its manifest's (before any ack)."""
     reason = policy_mismatch(worker, policy)
     if reason:
         return reason
@@ -41,7 +46,8 @@ def job_mismatch(worker: WorkerManifest, job: RolloutJob, policy: PolicyManifest
         return f"engine {worker.engine_name} not allowed by the job"
     if job.requires_routed_experts and not worker.returns_routed_experts:
         return "job needs routed experts"
-    return None
+    return fingerprint_refused(fingerprint or worker.engine_fingerprint, job.required_fingerprints,
+                               job.excluded_fingerprints)
 
 
 def lease_requirements(job: RolloutJob, policy: PolicyManifest) -> LeaseRequirements:
@@ -60,6 +66,9 @@ def lease_requirements(job: RolloutJob, policy: PolicyManifest) -> LeaseRequirem
         allowed_engines=list(engines),
         requires_routed_experts=job.requires_routed_experts,
         vocab_size=policy.vocab_size,
+        require_signature=policy.require_signatures,
+        required_fingerprints=list(job.required_fingerprints),
+        excluded_fingerprints=list(job.excluded_fingerprints),
     )
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
+import stat
+from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -27,6 +30,46 @@ def public_key_b64(key: Ed25519PrivateKey) -> str:
         encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw
     )
     return base64.b64encode(raw).decode()
+
+
+class SigningKeyError(ValueError):
+    """A signing key file that cannot be written (it exists) or used (not ed25519, open to others)."""
+
+    def __init__(self, path: Path, problem: str, fix: str):
+        super().__init__(f"{path}: {problem}")
+        self.path, self.fix = path, fix
+
+
+def write_signing_key(path: Path) -> Ed25519PrivateKey:
+    """Make a new key and write it to `path` as unencrypted PKCS#8 PEM, mode 0600 from the start.
+    An existing file is never overwritten: it may be the only copy of a key workers are known by."""
+    key = generate_signing_key()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise SigningKeyError(path, "already exists", "choose another --out, or remove the old key first") from None
+    with os.fdopen(fd, "wb") as out:
+        out.write(pem)
+    return key
+
+
+def load_signing_key(path: Path) -> Ed25519PrivateKey:
+    """Read a key `write_signing_key` (or `openssl genpkey -algorithm ed25519`) wrote. Like ssh, a
+    key that others can read is refused: whoever reads it can sign as this worker."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise SigningKeyError(path, f"is open to other users (mode {mode:04o})", f"chmod 600 {path}")
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except (ValueError, TypeError) as exc:
+        raise SigningKeyError(path, f"is not an unencrypted PEM private key ({exc})",
+                              "make one with `rollmarket keys generate --out FILE`") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise SigningKeyError(path, f"holds a {type(key).__name__}, not an ed25519 key",
+                              "make one with `rollmarket keys generate --out FILE`")
+    return key
 
 
 def sign_hash(digest_hex: str, key: Ed25519PrivateKey) -> str:

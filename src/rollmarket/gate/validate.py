@@ -151,6 +151,17 @@ def check_provenance(group: SampleGroup, manifest: WorkerManifest) -> list[Findi
     return findings
 
 
+def fingerprint_refused(fingerprint: str, required: list[str], excluded: list[str]) -> str | None:
+    """Why a job's fingerprint rules refuse this engine fingerprint, or None. The exchange checks it
+    at lease on the fingerprint the worker acked (exchange/dispatch.py), the gate at submit on the
+    group's."""
+    if fingerprint in excluded:
+        return f"engine fingerprint {fingerprint[:12]}… is excluded by the job"
+    if required and fingerprint not in required:
+        return f"engine fingerprint {fingerprint[:12]}… is not one the job requires"
+    return None
+
+
 def check_against_lease(
     group: SampleGroup,
     lease: RolloutLease,
@@ -191,6 +202,9 @@ def check_against_lease(
     elif acked_fingerprint is None and manifest is not None and group.engine_fingerprint != manifest.engine_fingerprint:
         add(Finding(RejectionReason.fingerprint_mismatch,
                     "engine_fingerprint differs from the one the worker registered"))
+    refused = fingerprint_refused(group.engine_fingerprint, req.required_fingerprints, req.excluded_fingerprints)
+    if refused:
+        add(Finding(RejectionReason.fingerprint_not_allowed, refused))
     if manifest is not None:
         findings.extend(check_provenance(group, manifest))
     if len(group.trajectories) != req.group_size:
@@ -210,7 +224,9 @@ def check_against_lease(
                             f"token id {top} is outside a vocabulary of {req.vocab_size}", index))
         if req.requires_routed_experts and t.routed_experts is None:
             add(Finding(RejectionReason.missing_routed_experts, "routed_experts are missing", index))
-    if public_key is not None:
+    if group.signature is None and req.require_signature:
+        add(Finding(RejectionReason.signature_required, "the policy requires signed groups and this one is unsigned"))
+    elif public_key is not None:
         if group.signature is None or group.content_hash is None or not signature_valid(
             group.content_hash, group.signature, public_key
         ):

@@ -98,7 +98,7 @@ class DemoConfig:
     observe_length_n: int = 8
 
 
-class _Processes:
+class ChildProcesses:
     """Child processes with their output in log files; the token travels in the environment."""
 
     def __init__(self, env: dict[str, str]) -> None:
@@ -232,7 +232,7 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
         "profiles": {p.value: DESCRIPTIONS[p] for p in Profile},
     })
     console.print(f"[bold]rollmarket demo[/] → {run_dir}")
-    procs = _Processes({"ROLLMARKET_TRAINER_TOKEN": token, **env})
+    procs = ChildProcesses({"ROLLMARKET_TRAINER_TOKEN": token, **env})
     started = time.monotonic()
     follower = None
     metrics_path = run_dir / "metrics.jsonl"

@@ -256,6 +256,9 @@ class ExchangeSection(_Section):
                     "trainer-<run id>, one per run (two runs sharing an id hide each other's groups).")
     wait_s: float = Field(300.0, ge=0, description="How long to wait for an exchange that does not answer "
                                                    "at start before giving up.")
+    require_signatures: bool = Field(
+        False, description="Publish policies that take only signed groups, from workers started with "
+                           "--signing-key (docs/security.md); not with --local.")
 
 
 class LoggingSection(_Section):
@@ -490,6 +493,10 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
             raise TrainConfigError(f"rollout.precisions {missing} have no worker in local.workers "
                                    f"{config.local.workers}: their jobs would never run",
                                    fix="add them to local.workers or drop them from rollout.precisions")
+        if config.exchange.require_signatures:
+            raise TrainConfigError("exchange.require_signatures: --local workers hold no signing keys, so no "
+                                   "group would be accepted",
+                                   fix="drop it, or run workers with --signing-key against exchange.url")
         return
     if not config.exchange.url:
         raise TrainConfigError("exchange.url is not set", fix="pass exchange.url=http://HOST:PORT or --local")

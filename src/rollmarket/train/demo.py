@@ -219,7 +219,7 @@ def demo_overrides(config: TrainDemoConfig, model: Path, url: str, runs_dir: Pat
 
 def run_train_demo(config: TrainDemoConfig, *, runs_dir: Path = Path("runs"), console: Console | None = None) -> dict:
     from ..observatory.runner import ObserveSettings
-    from ..sim.demo import _Processes, observe_with_progress
+    from ..sim.demo import ChildProcesses, observe_with_progress
     from .cluster import arrival_gate
     from ..tasks.suites import load_suite
     from .config import WorkerSpec, resolve, validate
@@ -251,7 +251,7 @@ def run_train_demo(config: TrainDemoConfig, *, runs_dir: Path = Path("runs"), co
                   f"{cfg.gate.min_ess:g}" + ("; replayed groups are trained with IS weights" if cfg.loop.replay else ""),
                   highlight=False)
     started = time.monotonic()
-    procs = _Processes({"ROLLMARKET_TRAINER_TOKEN": token})
+    procs = ChildProcesses({"ROLLMARKET_TRAINER_TOKEN": token})
     triage = arrival_gate(cfg.loop.steps + 1)  # the trainer's gate judges every group: none tiered away before
     report = StepReport(config, cfg, names)
     try:

@@ -279,7 +279,8 @@ class Trainer:
             checkpoint_digest=digest, checkpoint_uri=str(path.resolve()), tokenizer_hash=info.tokenizer_hash,
             model_config_hash=info.model_config_hash, vocab_size=info.vocab_size,
             precision_class=self.config.rollout.precisions[0],
-            quantization_class=Precision(self.config.rollout.precisions[0]).quantization)
+            quantization_class=Precision(self.config.rollout.precisions[0]).quantization,
+            require_signatures=self.config.exchange.require_signatures)
 
     def _publish(self, version: int, path: Path, digest: str) -> None:
         """Publish `version`. The exchange takes the same content again as a no-op (a crash after the

@@ -32,6 +32,7 @@ from ..contracts import (
     WorkerManifest,
 )
 from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
+from ..gate.integrity import load_signing_key, public_key_b64
 from .heartbeat import Heartbeater, run_renewing
 from .host import EngineIdentity, HostError, ReloadRefused
 
@@ -47,6 +48,9 @@ class WorkerSettings(BaseModel):
                                  "later) before giving up.")
     worker_id: str | None = Field(None, description="Worker id (default: <engine>-<precision>-<random>).")
     registration_token: str | None = Field(None, description="Registration token, if the exchange wants one.")
+    signing_key: Path | None = Field(
+        None, description="ed25519 private key (`rollmarket keys generate`): register its public key and sign "
+                          "every group (docs/security.md).")
     max_steps: int = Field(6, ge=1, description="Agent turns per run.")
     max_tokens: int | None = Field(
         None, ge=1, description="Cap on tokens per turn (default: the job's sampling max_tokens).")
@@ -73,14 +77,14 @@ class WorkerSettings(BaseModel):
 
 
 def manifest_for(identity: EngineIdentity, worker_id: str, price: float, reload_lag: int = 0,
-                 pool: str | None = None) -> WorkerManifest:
+                 pool: str | None = None, public_key: str | None = None) -> WorkerManifest:
     return WorkerManifest(
         worker_id=worker_id, engine_name=identity.engine_name, engine_version=identity.engine_version,
         engine_fingerprint=identity.engine_fingerprint, device_type=identity.device_type,
         precision_classes=[identity.precision], quantization_classes=[identity.quantization],
         supported_tokenizer_hashes=[identity.tokenizer_hash], max_context_tokens=identity.max_context_tokens,
         max_concurrent_groups=1, returns_routed_experts=identity.returns_routed_experts, price_hint=price,
-        max_reload_lag=reload_lag, pool=pool,
+        max_reload_lag=reload_lag, pool=pool, public_key=public_key,
     )
 
 
@@ -141,7 +145,8 @@ class AgentWorker:
         self._chat_model = ChatModel
         self._agent_cls = Agent
         self.agent = self._make_agent()
-        self.client = WorkerClient(settings.exchange, retries=8)
+        self.signing_key = load_signing_key(settings.signing_key) if settings.signing_key else None
+        self.client = WorkerClient(settings.exchange, retries=8, signing_key=self.signing_key)
         self.submitted = 0
         self._rollouts = open(settings.rollouts, "a", buffering=1) if settings.rollouts else None
         self._rollouts_lock = threading.Lock()
@@ -263,7 +268,8 @@ class AgentWorker:
         waits with backoff (one log line every few seconds); after `exchange_wait_s` of silence it
         raises ExchangeUnreachable."""
         manifest = manifest_for(self.identity, self.worker_id, self.settings.price, self.settings.reload_lag,
-                                self.settings.pool)
+                                self.settings.pool,
+                                public_key=public_key_b64(self.signing_key) if self.signing_key else None)
         self.client.http.wait_for_exchange(self.settings.exchange_wait_s, stop=stop)
         if stop.is_set():
             return 0

@@ -161,6 +161,14 @@ class PostgresStore(SqlStore):
     def _in_json_array(value: str, array: str) -> str:
         return f"{value} IN (SELECT jsonb_array_elements_text(CAST({array} AS jsonb)))"
 
+    @staticmethod
+    def _json_field(column: str, field: str) -> str:
+        return f"(CAST({column} AS jsonb) -> '{field}')"
+
+    @staticmethod
+    def _json_array_empty(array: str) -> str:
+        return f"COALESCE(jsonb_array_length(CAST({array} AS jsonb)), 0) = 0"
+
     def __init__(self, url: str, settings: ExchangeSettings):
         super().__init__(settings)
         self.url = url

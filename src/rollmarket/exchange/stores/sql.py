@@ -105,6 +105,16 @@ class SqlStore(Store):
         """SQL that is true when `value` is an element of the JSON text array `array`."""
         return f"{value} IN (SELECT value FROM json_each({array}))"
 
+    @staticmethod
+    def _json_field(column: str, field: str) -> str:
+        """SQL for the JSON value of `field` in the JSON text column `column` (NULL when absent)."""
+        return f"json_extract({column}, '$.{field}')"
+
+    @staticmethod
+    def _json_array_empty(array: str) -> str:
+        """SQL that is true when the JSON array `array` is empty or NULL."""
+        return f"COALESCE(json_array_length({array}), 0) = 0"
+
     def __init__(self, settings: ExchangeSettings):
         self.settings = settings
         self._started_at = 0.0
@@ -322,6 +332,8 @@ class SqlStore(Store):
     @property
     def _job_match(self) -> str:
         """FROM and WHERE of the queued jobs a worker can run (parameters from `lease`)."""
+        excluded = self._json_field("jobs.body", "excluded_fingerprints")
+        required = self._json_field("jobs.body", "required_fingerprints")
         return (
             " FROM jobs WHERE state='queued' AND policy_version <= :active"
             " AND (deadline IS NULL OR deadline > :now)"
@@ -331,6 +343,9 @@ class SqlStore(Store):
             f"      ELSE {self._in_json_array('req_quantization', ':quantizations')} END)"
             " AND max_context <= :context AND (needs_experts = 0 OR :experts = 1)"
             f" AND (engines IS NULL OR {self._in_json_array(':engine', 'jobs.engines')})"
+            # A job's fingerprint rules (dispatch.job_mismatch), read from its body: no column to migrate.
+            f" AND NOT {self._in_json_array(':fingerprint', excluded)}"
+            f" AND ({self._json_array_empty(required)} OR {self._in_json_array(':fingerprint', required)})"
         )
 
     async def lease(self, worker_id: str, now: float) -> LeaseGrant:
@@ -366,6 +381,7 @@ class SqlStore(Store):
                 "context": manifest.max_context_tokens,
                 "experts": int(manifest.returns_routed_experts),
                 "engine": manifest.engine_name,
+                "fingerprint": row["loaded_fingerprint"] or manifest.engine_fingerprint,
             }
             order = f" ORDER BY priority DESC, queued_at, {self._ARRIVAL} LIMIT 1" + self._SKIP_LOCKED
             better_ids = rules.better_ranked(self._competitors(conn, policy), worker_id)

@@ -95,7 +95,7 @@ def test_every_reason_and_error_code_is_documented():
 
 
 def test_every_audit_kind_is_documented():
-    source = (ROOT / "src/rollmarket/exchange/stores/sqlite.py").read_text()
+    source = (ROOT / "src/rollmarket/exchange/stores/sql.py").read_text()
     kinds = set(re.findall(r'_audit\(conn, now, "([a-z_.]+)"', source))
     kinds |= {f"lease.{state.value}" for state in LeaseState if state not in (LeaseState.issued, LeaseState.submitted)}
     kinds |= {"lease.issued", "job.failed", "job.expired"}

@@ -20,19 +20,15 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from pathlib import Path
 from typing import Protocol
+
+from .stores import is_postgres_url
 
 log = logging.getLogger(__name__)
 
 LEADER_LOCK_KEY = int.from_bytes(hashlib.sha256(b"rollmarket.exchange.leader").digest()[:8], "big", signed=True)
 """The advisory lock's 64-bit key; PostgreSQL scopes it to the database, so one leader per database."""
-
-POSTGRES_SCHEMES = ("postgresql://", "postgres://")
-
-
-def is_postgres_url(db: object) -> bool:
-    """Whether an exchange's `db` setting names a PostgreSQL database rather than a SQLite file."""
-    return str(db).startswith(POSTGRES_SCHEMES)
 
 
 class Leadership(Protocol):
@@ -140,7 +136,7 @@ class AdvisoryLockLeader:
         return await asyncio.wait_for(run(), timeout=self.check_timeout_s)
 
 
-def leadership_for(db: object, *, retry_s: float = 1.0) -> Leadership:
+def leadership_for(db: str | Path, *, retry_s: float = 1.0) -> Leadership:
     """The leadership an exchange on `db` needs: a lock for PostgreSQL, none for SQLite."""
     if is_postgres_url(db):
         return AdvisoryLockLeader(str(db), retry_s=retry_s)

@@ -1,8 +1,9 @@
-"""The marketplace report (contracts.MarketReport) computed from an exchange's SQLite database.
+"""The marketplace report (contracts.MarketReport) computed from an exchange's database.
 
 One function over a connection, so the running exchange (`GET /v1/market`, its own read
 connection) and the dashboard (a database file opened read-only) give the same numbers. It only
-reads; it needs nothing but the standard library and the contracts.
+reads; it needs nothing but the standard library and the contracts. The few SQL fragments where
+SQLite and PostgreSQL differ come in a `MarketSql`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import math
 import sqlite3
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,6 +29,29 @@ from ..contracts.market import MAX_BUCKETS
 
 BUCKET_STEPS_S = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
 """Bucket widths a person reads easily; the smallest that keeps the timeline under MAX_BUCKETS wins."""
+
+
+@dataclass(frozen=True)
+class MarketSql:
+    """The dialect's fragments: a bucket index, the arrival tier, the reason tables, a snapshot."""
+
+    bucket: str = "MIN(CAST(({} - :origin) / :width AS INTEGER), :top)"
+    arrival_tier: str = "json_extract(g.receipt, '$.tier')"
+    submission_reasons: str = "json_each(a.data, '$.reasons') r"
+    gate_reasons: str = "json_each(d.body, '$.rejection_reasons') r"
+    reason: str = "r.value"
+    begin: str = "BEGIN"
+
+
+SQLITE = MarketSql()
+POSTGRES = MarketSql(
+    bucket="LEAST(CAST(FLOOR(({} - :origin) / :width) AS INTEGER), :top)",
+    arrival_tier="CAST(g.receipt AS jsonb) ->> 'tier'",
+    submission_reasons="jsonb_array_elements_text(CAST(a.data AS jsonb) -> 'reasons') r",
+    gate_reasons="jsonb_array_elements_text(CAST(d.body AS jsonb) -> 'rejection_reasons') r",
+    reason="r",
+    begin="BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+)
 
 
 def _utc(seconds: float) -> datetime:
@@ -82,26 +107,26 @@ def _workers(conn: sqlite3.Connection) -> list[MarketWorker]:
     return workers
 
 
-def _timeline(conn: sqlite3.Connection) -> tuple[float, list[MarketBucket]]:
+def _timeline(conn: sqlite3.Connection, sql: MarketSql) -> tuple[float, list[MarketBucket]]:
     """Decisions (by worker, arrival tier, status) and stored groups, bucketed by time (in SQL)."""
     first, last = conn.execute(
         "SELECT MIN(t), MAX(t) FROM (SELECT MIN(decided_at) AS t FROM decisions UNION ALL"
         " SELECT MAX(decided_at) FROM decisions UNION ALL SELECT MIN(received_at) FROM groups UNION ALL"
-        " SELECT MAX(received_at) FROM groups)").fetchone()
+        " SELECT MAX(received_at) FROM groups) AS ends").fetchone()
     if first is None:
         return 1.0, []
     width = bucket_width(last - first)
     origin = math.floor(first / width) * width
     count = int((last - origin) // width) + 1
     at = {"origin": origin, "width": width, "top": count - 1}
-    bucket = "MIN(CAST(({} - :origin) / :width AS INTEGER), :top)"
+    bucket = sql.bucket
     by_worker = [Counter() for _ in range(count)]
     by_tier = [Counter() for _ in range(count)]
     by_status = [Counter() for _ in range(count)]
     for i, worker_id, tier, status, n in conn.execute(
-            f"SELECT {bucket.format('d.decided_at')} AS i, g.worker_id, json_extract(g.receipt, '$.tier') AS tier,"
+            f"SELECT {bucket.format('d.decided_at')} AS i, g.worker_id, {sql.arrival_tier} AS arrival,"
             " d.status, COUNT(*) FROM decisions d JOIN groups g ON g.group_id = d.group_id"
-            " GROUP BY i, g.worker_id, tier, d.status", at):
+            " GROUP BY i, g.worker_id, arrival, d.status", at):
         by_worker[i][worker_id] += n
         by_tier[i][tier] += n
         by_status[i][status] += n
@@ -116,14 +141,14 @@ def _timeline(conn: sqlite3.Connection) -> tuple[float, list[MarketBucket]]:
     ]
 
 
-def _rejections(conn: sqlite3.Connection) -> tuple[dict[str, int], dict[str, int]]:
+def _rejections(conn: sqlite3.Connection, sql: MarketSql) -> tuple[dict[str, int], dict[str, int]]:
     """Reason counts, counted in SQL: decision bodies are large and there may be many."""
     at_submission = dict(conn.execute(
-        "SELECT r.value, COUNT(*) FROM audit a, json_each(a.data, '$.reasons') r"
-        " WHERE a.kind = 'submission.rejected' GROUP BY r.value").fetchall())
+        f"SELECT {sql.reason}, COUNT(*) FROM audit a, {sql.submission_reasons}"
+        f" WHERE a.kind = 'submission.rejected' GROUP BY {sql.reason}").fetchall())
     at_gate = dict(conn.execute(
-        "SELECT r.value, COUNT(*) FROM decisions d, json_each(d.body, '$.rejection_reasons') r"
-        " GROUP BY r.value").fetchall())
+        f"SELECT {sql.reason}, COUNT(*) FROM decisions d, {sql.gate_reasons}"
+        f" GROUP BY {sql.reason}").fetchall())
     return at_submission, at_gate
 
 
@@ -154,19 +179,19 @@ def _trainers(conn: sqlite3.Connection) -> list[TrainerIdle]:
     return out
 
 
-def market_report(conn: sqlite3.Connection, now: float) -> MarketReport:
+def market_report(conn: sqlite3.Connection, now: float, sql: MarketSql = SQLITE) -> MarketReport:
     """The marketplace as the database holds it at `now` (POSIX seconds), from one snapshot."""
-    conn.execute("BEGIN")  # every query below sees the same state, even while the exchange writes
+    conn.execute(sql.begin)  # every query below sees the same state, even while the exchange writes
     try:
-        return _report(conn, now)
+        return _report(conn, now, sql)
     finally:
         conn.execute("ROLLBACK")
 
 
-def _report(conn: sqlite3.Connection, now: float) -> MarketReport:
+def _report(conn: sqlite3.Connection, now: float, sql: MarketSql) -> MarketReport:
     active, published = conn.execute("SELECT active_version, published_version FROM pool WHERE id = 1").fetchone()
-    width, timeline = _timeline(conn)
-    submission, gate = _rejections(conn)
+    width, timeline = _timeline(conn, sql)
+    submission, gate = _rejections(conn, sql)
     lags = dict(conn.execute("SELECT lag_at_arrival, COUNT(*) FROM groups GROUP BY lag_at_arrival").fetchall())
     acks = [ReloadLatency(worker_id=r[0], policy_version=r[1], seconds=r[2]) for r in conn.execute(
         "SELECT a.worker_id, a.policy_version, a.acked_at - p.published_at FROM reload_acks a"

@@ -40,7 +40,7 @@ from .leader import Leadership, leadership_for
 from .metrics import ExchangeMetrics
 from .settings import ExchangeSettings
 from .store import FetchBatch, FetchFilter, ReapResult, Store, StoredGroup
-from .stores.sqlite import SqliteStore
+from .stores import open_store
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Exchange:
     def __init__(self, settings: ExchangeSettings, store: Store | None = None,
                  leadership: Leadership | None = None):
         self.settings = settings
-        self.store = store or SqliteStore(settings.db, settings)
+        self.store = store or open_store(settings.db, settings)
         self.leadership = leadership or leadership_for(settings.db, retry_s=settings.leader_retry_s)
         self.metrics = ExchangeMetrics()
         self._token_hashes: dict[str, str] = {}

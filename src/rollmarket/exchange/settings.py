@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,7 +15,10 @@ class ExchangeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    db: Path = Field(default=Path("exchange.db"), description="SQLite database file.")
+    db: str | Path = Field(
+        default="exchange.db",
+        description="SQLite database file, or a postgresql:// URL (needs rollmarket[postgres]).",
+    )
     host: str = Field(default="127.0.0.1", description="Interface to listen on.")
     port: int = Field(default=8470, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     trainer_token: str = Field(
@@ -81,5 +85,16 @@ class ExchangeSettings(BaseModel):
     def public_dict(self) -> dict:
         """Settings without secrets, for logs and the database."""
         data = self.model_dump(mode="json", exclude={"trainer_token", "registration_token"})
+        data["db"] = redact_url(str(self.db))
         data["registration_required"] = self.registration_token is not None
         return data
+
+
+def redact_url(url: str) -> str:
+    """`url` without its password, fit for logs, the audit log and error messages."""
+    parts = urlsplit(url)
+    if not parts.scheme or parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))

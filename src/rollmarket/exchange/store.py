@@ -1,4 +1,4 @@
-"""The storage interface of the exchange. SQLite implements it today; PostgreSQL can later.
+"""The storage interface of the exchange, implemented by SQLite and PostgreSQL (`stores/`).
 
 Every method is one atomic step of the exchange's state machine and is awaited by the service.
 A backend must make each call all-or-nothing and durable before it returns, and must record an
@@ -35,6 +35,11 @@ from ..contracts import (
     WorkerSummary,
 )
 from ..gate import Finding
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or reached: a bad URL, a server that is down, a missing extra,
+    a database whose schema is newer than this exchange."""
 
 
 @dataclass(frozen=True)

@@ -177,8 +177,14 @@ def _light_process(urls: list[str], ids: list[int], think_s: float, seconds: flo
             group = helper.group_for(grant, [trajectory])
             body = packb(group.model_copy(update={"content_hash": content_hash(group)}))
             t1 = time.perf_counter()
-            response = await http.post(f"{url}/v1/groups", content=body,
-                                       headers={**auth, "content-type": MSGPACK})
+            for attempt in range(3):
+                try:  # a submission is idempotent: re-send it when a kept-alive connection was closed
+                    response = await http.post(f"{url}/v1/groups", content=body,
+                                               headers={**auth, "content-type": MSGPACK})
+                    break
+                except httpx.TransportError:
+                    if attempt == 2:
+                        raise
             out["submit"].append(time.perf_counter() - t1)
             response.raise_for_status()
         out["leases"][manifest.worker_id] = leases
@@ -283,7 +289,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=16, help="Ingest workers.")
     parser.add_argument("--seconds", type=float, default=8.0, help="Measured seconds per ingest case.")
     parser.add_argument("--light-workers", type=int, default=1000, help="Light workers in the fairness load.")
-    parser.add_argument("--think-s", type=float, default=5.0, help="Each light worker's 'generation' time per lease.")
+    parser.add_argument("--think-s", type=float, default=2.0, help="Each light worker's 'generation' time per lease.")
     parser.add_argument("--fair-seconds", type=float, default=30.0, help="Measured seconds per fairness case.")
     parser.add_argument("--processes", type=int, default=4, help="Load-generator processes.")
     parser.add_argument("--cases", default="sqlite:1,postgres:1,postgres:2", help="store:replicas, comma-separated.")

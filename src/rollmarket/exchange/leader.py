@@ -89,7 +89,8 @@ class AdvisoryLockLeader:
 
     def _set(self, leader: bool) -> None:
         if leader != self._leader:
-            log.warning("this replica %s the exchange leader", "is now" if leader else "is no longer")
+            log.log(logging.INFO if leader else logging.WARNING, "this replica %s the exchange leader",
+                    "is now" if leader else "is no longer")
         self._leader = leader
 
     async def _contend_forever(self) -> None:

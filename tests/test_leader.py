@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import psycopg
 import pytest
 
@@ -145,3 +146,8 @@ def test_postgres_restart_and_kill_9_leadership_comes_back():
                 await leader.stop()
 
         asyncio.run(scenario())
+
+
+def test_a_sqlite_exchange_says_it_leads(exchange):
+    assert httpx.get(exchange.url + "/healthz").json()["leader"] is True
+    assert "\nrollmarket_exchange_leader 1.0" in httpx.get(exchange.url + "/metrics").text

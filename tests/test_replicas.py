@@ -63,6 +63,13 @@ def leaders(servers: list[ExchangeProcess]) -> list[ExchangeProcess]:
 def test_a_worker_registered_on_one_replica_works_on_another(postgres_url, tmp_path):
     r1, r2 = replicas(postgres_url, tmp_path, 2)
     try:
+        # One leader, and /healthz and the Prometheus gauge agree on which.
+        wait_for(lambda: leaders([r1, r2]), 30, "a leader")
+        gauges = [httpx.get(r.url + "/metrics").text for r in (r1, r2)]
+        assert sorted(g.count("\nrollmarket_exchange_leader 1.0") for g in gauges) == [0, 1]
+        assert [bool(health(r)["leader"]) for r in (r1, r2)] == [
+            "\nrollmarket_exchange_leader 1.0" in g for g in gauges]
+        assert len(lock_holders(postgres_url)) == 1
         with TrainerClient(r1.url, TRAINER_TOKEN) as trainer:
             trainer.publish_policy(policy(0))
         first = WorkerClient(r1.url)

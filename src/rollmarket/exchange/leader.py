@@ -89,8 +89,8 @@ class AdvisoryLockLeader:
 
     def _set(self, leader: bool) -> None:
         if leader != self._leader:
-            log.log(logging.INFO if leader else logging.WARNING, "this replica %s the exchange leader",
-                    "is now" if leader else "is no longer")
+            # INFO: a lost session is logged as a WARNING where it is caught; a clean stop is no news.
+            log.info("this replica %s the exchange leader", "is now" if leader else "is no longer")
         self._leader = leader
 
     async def _contend_forever(self) -> None:

@@ -26,6 +26,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,7 +194,10 @@ def _light_process(urls: list[str], ids: list[int], think_s: float, seconds: flo
     async def main() -> dict:
         go_event = asyncio.Event()
         out = {"ready": 0, "lease": [], "submit": [], "leases": {}}
-        limits = httpx.Limits(max_connections=len(ids) + 10, max_keepalive_connections=len(ids) + 10)
+        # Idle connections are dropped before uvicorn's 5 s keep-alive ends them: a request on a
+        # connection the server is closing at that moment fails with a ReadError.
+        limits = httpx.Limits(max_connections=len(ids) + 10, max_keepalive_connections=len(ids) + 10,
+                              keepalive_expiry=1.0)
         async with httpx.AsyncClient(timeout=120, limits=limits) as http:
             gate = asyncio.Semaphore(16)
             tasks = [asyncio.create_task(one(i, http, gate, out, go_event)) for i in ids]
@@ -296,6 +300,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="ingest,fairness", help="ingest, fairness or both.")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "store_compare.json")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups: servers, the cluster
     cases = [(store, int(n)) for store, n in (c.split(":") for c in args.cases.split(","))]
     rows = []
     with postgres_database() as new_db:

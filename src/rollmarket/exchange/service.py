@@ -121,15 +121,16 @@ class Exchange:
     # -- auth -----------------------------------------------------------------------------
     async def _worker_from_token(self, token: str | None) -> str | None:
         """The token's worker, re-reading the store's token hashes on a miss: the worker may
-        have registered, or registered again, through another replica."""
+        have registered through another replica. Misses at the same moment share one re-read."""
         worker_id = auth.worker_from_token(token, self._token_hashes)
         if worker_id is not None or token is None or auth.split_worker_token(token) is None:
             return worker_id
-        seen = self._token_reloads
+        seen = self._token_reloads  # re-reads begun so far
         async with self._token_lock:
-            if self._token_reloads == seen:  # no reload began after our miss: do one
-                self._token_hashes = await self.store.worker_token_hashes()
+            # Only a re-read begun after this miss is sure to see a registration that preceded it.
+            if self._token_reloads == seen:
                 self._token_reloads += 1
+                self._token_hashes = await self.store.worker_token_hashes()
         return auth.worker_from_token(token, self._token_hashes)
 
     async def worker_of(self, authorization: str | None) -> str:

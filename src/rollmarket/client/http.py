@@ -113,10 +113,6 @@ class HttpClient:
         """The base URL calls go to now."""
         return self.urls[self._current]
 
-    @property
-    def _http(self) -> httpx.Client:
-        return self._clients[self._current]
-
     def _fail_over(self, failed: int) -> None:
         """Move on from URL number `failed`, unless another thread already has."""
         if len(self.urls) == 1:

@@ -221,7 +221,7 @@ def served_model(model: Path, log: Path, *, precision: str = "bf16") -> Iterator
 # -- database snapshots: bad input changes nothing -------------------------------------------
 
 STATE_TABLES = ("groups", "leases", "jobs", "workers", "policies", "reload_acks", "served",
-                "decisions", "feedback", "pool")
+                "decisions", "feedback", "pool", "fingerprints")
 """Every table that holds exchange state; the audit log is compared separately."""
 
 
@@ -262,18 +262,39 @@ def _without_rejection_accounting(before: list[dict], after: list[dict], worker_
     return undone
 
 
+def _without_fingerprint_rejection(before: list[dict], after: list[dict]) -> list[dict]:
+    """`after`'s fingerprint rows with one rejection undone: exactly one fingerprint (the
+    rejected worker's) took one score of 0, or was first seen with it (from the neutral 0.5)."""
+    old = {row["fingerprint"]: row for row in before}
+    undone, charged = [], 0
+    for row in after:
+        was = old.get(row["fingerprint"], {**row, "quality": 0.5, "feedback_count": 0, "rejected_count": 0})
+        if row != was:
+            charged += 1
+            assert row["rejected_count"] == was["rejected_count"] + 1, "a rejection is counted once"
+            assert row["quality"] == pytest.approx((1 - FEEDBACK_ALPHA) * was["quality"], rel=1e-12)
+            if row["fingerprint"] not in old:
+                continue
+            row = was
+        undone.append(row)
+    assert charged == 1, "a rejection is charged to one engine fingerprint"
+    return undone
+
+
 def assert_unchanged(before: Snapshot, after: Snapshot, *, audit: tuple[str, ...] = (),
                      rejected_by: str | None = None) -> list[tuple]:
     """No state table changed and the audit log gained exactly the events of kinds `audit`.
 
     A gate rejection (`rejected_by`) is allowed one deliberate trace beyond its audit event: it
-    counts against the submitting worker's quality, so that dispatch stops preferring a worker
-    that sends bad groups. Nothing else about any worker may change. Returns the new audit rows.
+    counts against the submitting worker's quality and its engine fingerprint's, so that dispatch
+    stops preferring a worker that sends bad groups. Nothing else about any worker may change. Returns the new audit rows.
     """
     for name in STATE_TABLES:
         rows = after.tables[name]
         if name == "workers" and rejected_by is not None:
             rows = _without_rejection_accounting(before.tables[name], rows, rejected_by)
+        if name == "fingerprints" and rejected_by is not None:
+            rows = _without_fingerprint_rejection(before.tables[name], rows)
         assert rows == before.tables[name], f"table {name} changed"
     assert after.audit[:len(before.audit)] == before.audit, "existing audit events changed"
     new = after.audit[len(before.audit):]

@@ -204,6 +204,11 @@ def market_worker():
         leases=4, active_leases=1, accepted=3, rejected=1, accepted_tokens=120, decisions={"train": 3})
 
 
+def market_fingerprint():
+    return contracts.MarketFingerprint(engine_fingerprint=sha("fp"), quality=0.7, feedback_count=3, rejected_count=1,
+                                       accepted=3, workers=["w1"])
+
+
 FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
     PolicyManifest: lambda: policy(3, created_at=T0, allowed_engines=["hf"]),
     ReloadAck: lambda: ReloadAck(worker_id="w1", policy_version=3, checkpoint_digest=sha("ckpt-3"),
@@ -260,6 +265,7 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
         start=T0, by_worker={"w1": 3}, by_tier={"fresh": 2, "replay": 1}, by_status={"train": 3},
         accepted_groups=3, accepted_tokens=120),
     contracts.LagBin: lambda: contracts.LagBin(lag=1, groups=4),
+    contracts.MarketFingerprint: lambda: market_fingerprint(),
     contracts.ReloadLatency: lambda: contracts.ReloadLatency(worker_id="w1", policy_version=3, seconds=0.4),
     contracts.TrainerIdle: lambda: contracts.TrainerIdle(trainer_id="t1", groups=5, span_s=10.0, busy_s=7.5,
                                                          idle_fraction=0.25),
@@ -272,7 +278,8 @@ FACTORIES: dict[type[Record], typing.Callable[[], Record]] = {
         reload_acks=[contracts.ReloadLatency(worker_id="w1", policy_version=3, seconds=0.4)],
         reload_latency_mean_s=0.4, reload_latency_max_s=0.4, accepted_groups=3, accepted_tokens=120,
         accepted_span_s=9.0, accepted_tokens_per_s=120 / 9.0,
-        trainers=[contracts.TrainerIdle(trainer_id="t1", groups=3, span_s=10.0, busy_s=7.5, idle_fraction=0.25)]),
+        trainers=[contracts.TrainerIdle(trainer_id="t1", groups=3, span_s=10.0, busy_s=7.5, idle_fraction=0.25)],
+        fingerprints=[market_fingerprint()]),
     contracts.CapturedToolCall: lambda: contracts.CapturedToolCall(
         id="call_1", name="calculator", arguments='{"expression": "2 + 2"}'),
     contracts.CapturedChoice: lambda: contracts.CapturedChoice(

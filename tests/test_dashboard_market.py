@@ -289,6 +289,10 @@ def test_the_page_draws_and_follows_a_running_exchange(market, browser, tmp_path
             report = twin_of(market)["report"]
             rows = page.locator('[data-testid="market-workers"] tbody tr')
             assert rows.count() == 2 and rows.nth(0).locator("td").nth(0).inner_text() == "w1"
+            fingerprints = page.locator('[data-testid="market-fingerprints"] tbody tr')
+            assert report["fingerprints"] and fingerprints.count() == len(report["fingerprints"])
+            assert fingerprints.nth(0).locator("td").nth(0).inner_text() == report["fingerprints"][0][
+                "engine_fingerprint"][:12]
             by_worker = chart(page, "chart-by-worker")
             assert {k: sum(v) for k, v in by_worker.items()} == {
                 w["worker_id"]: sum(w["decisions"].values()) for w in report["workers"]}

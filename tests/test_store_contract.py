@@ -59,12 +59,13 @@ class Driver:
 
     def ready(self, worker_id: str, version: int = 0, now: float = T0, **overrides) -> None:
         self.run(self.store.register_worker(manifest(worker_id, **overrides), sha(worker_id), now))
-        self.ack(worker_id, version, now)
+        self.ack(worker_id, version, now, fingerprint=overrides.get("engine_fingerprint"))
 
-    def ack(self, worker_id: str, version: int, now: float = T0, digest: str | None = None):
+    def ack(self, worker_id: str, version: int, now: float = T0, digest: str | None = None,
+            fingerprint: str | None = None):
         return self.run(self.store.ack_reload(ReloadAck(
             worker_id=worker_id, policy_version=version, checkpoint_digest=digest or sha(f"ckpt-{version}"),
-            engine_fingerprint=sha(f"fp-{worker_id}")), now))
+            engine_fingerprint=fingerprint or sha(f"fp-{worker_id}")), now))
 
     def group(self, grant, *, seed: int = 0, **overrides) -> SampleGroup:
         req = grant.lease.requirements
@@ -438,3 +439,37 @@ def test_a_reopened_store_keeps_every_acknowledged_write(backend):
     assert [g.group_id for g in reopened.run(reopened.store.fetch(FetchFilter(), T0 + 5)).groups] == ids
     assert [e.kind for e in reopened.audit("exchange.started")] == ["exchange.started"] * 2
     assert TOKENIZER in reopened.run(reopened.store.latest_policy()).tokenizer_hash
+
+
+def test_feedback_and_rejections_are_kept_per_engine_fingerprint(store):
+    """Two workers share one build (fingerprint F), a third runs another (G). Each fingerprint's
+    quality is the EWMA of its own groups' scores in order, worked out here by hand."""
+    shared, other = sha("build-F"), sha("build-G")
+    published(store)
+    for worker_id, fingerprint in (("w1", shared), ("w2", shared), ("w3", other)):
+        store.ready(worker_id, engine_fingerprint=fingerprint)
+    store.run(store.store.enqueue([job(i) for i in range(4)], T0))
+    scores = {"w1": 1.0, "w2": 0.0, "w3": 1.0}
+    for worker_id, fingerprint in (("w1", shared), ("w2", shared), ("w3", other)):
+        group = store.group(store.lease(worker_id), engine_fingerprint=fingerprint)
+        assert store.submit(group).receipt is not None
+        feedback = TrainerFeedback(group_id=group.group_id, status=DecisionStatus.train,
+                                   score=scores[worker_id], used_for_training=True)
+        store.run(store.store.report("t1", group.group_id, None, feedback, T0 + 3))
+    forged = store.group(store.lease("w1"), worker_id="w3", engine_fingerprint=other)
+    assert store.submit(forged).receipt is None  # w3 under w1's lease: rejected, charged to G
+
+    a = store.settings.feedback_alpha
+    f_quality = (1 - a) * ((1 - a) * 0.5 + a * 1.0) + a * 0.0
+    g_quality = (1 - a) * ((1 - a) * 0.5 + a * 1.0)
+    recorded = [(e.data["fingerprint"], e.data["fingerprint_quality"]) for e in store.audit("feedback.recorded")]
+    assert recorded == [(shared, pytest.approx((1 - a) * 0.5 + a)), (shared, pytest.approx(f_quality)),
+                        (other, pytest.approx((1 - a) * 0.5 + a))]
+    assert [e.data["fingerprint"] for e in store.audit("submission.rejected")] == [other]
+    market = store.run(store.store.market(T0 + 4))
+    kept = {f.engine_fingerprint: (f.quality, f.feedback_count, f.rejected_count, f.accepted, f.workers)
+            for f in market.fingerprints}
+    assert kept == {shared: (pytest.approx(f_quality), 2, 0, 2, ["w1", "w2"]),
+                    other: (pytest.approx(g_quality), 1, 1, 1, ["w3"])}
+    by_worker = {w.worker_id: w.quality for w in market.workers}
+    assert by_worker == {"w1": pytest.approx(0.6), "w2": pytest.approx(0.4), "w3": pytest.approx(0.8 * 0.6)}

@@ -34,6 +34,9 @@ EXPECTED: tuple[Expected, ...] = (
     Expected("rollmarket.tasks.suites", "UnknownSuite", USAGE, "`rollmarket suites ls` lists the suites and their splits"),
     Expected("rollmarket.tasks.suites", "TaskFileError", USAGE,
              "each line must be one TaskSpec JSON object (docs/suites.md)"),
+    Expected("rollmarket.exchange.store", "StoreError", FAILURE,
+             "--db takes a SQLite file or postgresql://USER@HOST:PORT/DATABASE of a running server "
+             "(the postgres extra: pip install 'rollmarket[postgres]')"),
     Expected("rollmarket.localhost", "PortInUse", FAILURE,
              "pick another port with --port, or stop the process listening there (ss -ltnp shows it)"),
     Expected("rollmarket.localhost", "PortUnavailable", FAILURE,

@@ -27,8 +27,13 @@ def exchange() -> None:
               type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--access-log/--no-access-log", default=False, show_default=True, help="Log every request.")
 def exchange_serve(log_level: str, access_log: bool, **values) -> None:
-    """Serve an exchange over HTTP (FastAPI + uvicorn, SQLite in WAL mode)."""
+    """Serve an exchange over HTTP (FastAPI + uvicorn; SQLite in WAL mode, or PostgreSQL).
+
+    `--db` names a SQLite file or a postgresql:// URL; several exchanges can serve one PostgreSQL
+    database."""
     from ..exchange.server import serve
+    from ..exchange.settings import redact_url
+    from ..exchange.stores import check_store
     from ..localhost import check_port
 
     gate = GateConfig(**pick(values, "gate_"))
@@ -37,8 +42,9 @@ def exchange_serve(log_level: str, access_log: bool, **values) -> None:
     if not settings.trainer_token:
         raise click.UsageError("--trainer-token (or ROLLMARKET_TRAINER_TOKEN) is required")
     check_port(settings.host, settings.port)
+    check_store(settings.db)
     console.print(f"[bold]rollmarket exchange[/] {__version__} on http://{settings.host}:{settings.port} "
-                  f"(db {settings.db}); docs at /docs", highlight=False)
+                  f"(db {redact_url(str(settings.db))}); docs at /docs", highlight=False)
     serve(settings, log_level=log_level, access_log=access_log)
 def _trainer(url: str, token: str):
     from ..client import TrainerClient

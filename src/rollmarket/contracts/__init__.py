@@ -56,7 +56,7 @@ from .observatory import (
     RouterMismatchReport,
     WorstToken,
 )
-from .market import LagBin, MarketBucket, MarketReport, MarketWorker, ReloadLatency, TrainerIdle
+from .market import LagBin, MarketBucket, MarketFingerprint, MarketReport, MarketWorker, ReloadLatency, TrainerIdle
 from .policy import PolicyManifest, ReloadAck, ReloadStatus
 from .pool import AuditEvent, AuditPage, PoolStatus, WorkerDetail, WorkerSummary
 from .sample import (

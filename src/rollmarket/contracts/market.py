@@ -38,6 +38,17 @@ class MarketWorker(Record):
     decisions: dict[Name, Count] = Field(max_length=MAX_NAMES, description="The trainer's decisions on its groups, by status.")
 
 
+class MarketFingerprint(Record):
+    """Trainer feedback kept per engine fingerprint: what one build's numerics earn across workers."""
+
+    engine_fingerprint: Key
+    quality: float = Field(description="EWMA of the feedback scores of its groups; a rejected submission scores 0.")
+    feedback_count: Count = Field(description="Feedback scores received for its groups.")
+    rejected_count: Count = Field(description="Submissions refused from workers running it.")
+    accepted: Count = Field(description="Groups the exchange stored with this fingerprint.")
+    workers: list[Identifier] = Field(max_length=MAX_ITEMS, description="Workers running it now.")
+
+
 class MarketBucket(Record):
     """One time bucket: decisions made in it, by worker, by arrival tier and by status, and what arrived."""
 
@@ -101,3 +112,6 @@ class MarketReport(Record):
     accepted_span_s: float = Field(description="From the first stored group to the last.")
     accepted_tokens_per_s: float | None = Field(description="accepted_tokens / accepted_span_s; None under 2 groups.")
     trainers: list[TrainerIdle] = Field(max_length=MAX_ITEMS)
+    fingerprints: list[MarketFingerprint] = Field(
+        default_factory=list, max_length=MAX_ITEMS,
+        description="Feedback quality per engine fingerprint (empty for a database from before it was kept).")

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..contracts import (
     LagBin,
     MarketBucket,
+    MarketFingerprint,
     MarketReport,
     MarketWorker,
     ReloadLatency,
@@ -41,6 +42,7 @@ class MarketSql:
     gate_reasons: str = "json_each(d.body, '$.rejection_reasons') r"
     reason: str = "r.value"
     begin: str = "BEGIN"
+    has_fingerprints: str = "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'fingerprints'"
 
 
 SQLITE = MarketSql()
@@ -51,6 +53,7 @@ POSTGRES = MarketSql(
     gate_reasons="jsonb_array_elements_text(CAST(d.body AS jsonb) -> 'rejection_reasons') r",
     reason="r",
     begin="BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
+    has_fingerprints="SELECT COUNT(*) FROM pg_tables WHERE tablename = 'fingerprints'",
 )
 
 
@@ -105,6 +108,24 @@ def _workers(conn: sqlite3.Connection) -> list[MarketWorker]:
             accepted_tokens=tokens, decisions=decisions.get(row["worker_id"], {}),
         ))
     return workers
+
+
+def _fingerprints(conn: sqlite3.Connection, sql: MarketSql) -> list[MarketFingerprint]:
+    """Quality per engine fingerprint, with the workers running each now and its stored groups.
+    A database from before fingerprints were kept has none."""
+    if not conn.execute(sql.has_fingerprints).fetchone()[0]:
+        return []
+    running: dict[str, list[str]] = defaultdict(list)
+    for worker_id, loaded, manifest in conn.execute(
+            "SELECT worker_id, loaded_fingerprint, manifest FROM workers ORDER BY worker_id"):
+        running[loaded or json.loads(manifest)["engine_fingerprint"]].append(worker_id)
+    accepted = dict(conn.execute("SELECT engine_fingerprint, COUNT(*) FROM groups GROUP BY engine_fingerprint"))
+    return [
+        MarketFingerprint(engine_fingerprint=fp, quality=quality, feedback_count=feedback, rejected_count=rejected,
+                          accepted=accepted.get(fp, 0), workers=running.get(fp, [])[:MAX_ITEMS])
+        for fp, quality, feedback, rejected in conn.execute(
+            "SELECT fingerprint, quality, feedback_count, rejected_count FROM fingerprints ORDER BY fingerprint")
+    ][:MAX_ITEMS]
 
 
 def _timeline(conn: sqlite3.Connection, sql: MarketSql) -> tuple[float, list[MarketBucket]]:
@@ -215,4 +236,5 @@ def _report(conn: sqlite3.Connection, now: float, sql: MarketSql) -> MarketRepor
         accepted_groups=groups, accepted_tokens=tokens, accepted_span_s=span,
         accepted_tokens_per_s=tokens / span if groups >= 2 and span > 0 else None,
         trainers=_trainers(conn),
+        fingerprints=_fingerprints(conn, sql),
     )

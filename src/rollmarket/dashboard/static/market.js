@@ -85,6 +85,10 @@
       `${w.leases} (${w.active_leases} active)`, w.accepted, w.rejected, w.accepted_tokens,
       counts(w.decisions).map(([k, v]) => `${k} ${v}`).join(", ") || "—",
     ]));
+    fill("market-fingerprints", (r.fingerprints || []).map((f) => [
+      f.engine_fingerprint.slice(0, 12), fmt(f.quality), f.feedback_count, f.rejected_count, f.accepted,
+      f.workers.join(", ") || "—",
+    ]));
     fill("market-submission-rejections", counts(r.submission_rejections));
     fill("market-gate-rejections", counts(r.gate_rejections));
     fill("market-reloads", r.reload_acks.map((a) => [a.worker_id, a.policy_version, fmt(a.seconds)]));

@@ -9,8 +9,8 @@ What keeps replicas correct lives in the database, not in a process: a job to le
 ``SELECT … FOR UPDATE SKIP LOCKED`` and a partial unique index allows one issued lease per job; a
 row a transaction goes on to change is read ``FOR UPDATE``; unique constraints refuse a second
 group for a lease or a group id and a second job for an idempotency key; a transaction that loses
-such a race (or a deadlock, or its connection) is run again from the start and then sees the
-winner's row (a resubmitted group gets the first receipt). Audit events take a transaction-level
+such a race (or a deadlock, or its connection before COMMIT) is run again from the start and then
+sees the winner's row (a resubmitted group gets the first receipt). Audit events take a transaction-level
 advisory lock first, so their sequence numbers are in commit order and `since_seq` paging never
 skips one. The schema is versioned SQL files in `migrations/postgres/`, applied in order at open
 under a session advisory lock, so replicas that start together migrate once.
@@ -133,6 +133,21 @@ def migrate(conn: psycopg.Connection) -> list[int]:
         conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
 
 
+def prepare(url: str) -> None:
+    """Check that `url` names a reachable PostgreSQL database and bring its schema up to date;
+    a StoreError says what is wrong (a bad URL, a server that is down or refuses us)."""
+    where = redact_url(url)
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise StoreError(f"not a PostgreSQL URL: {where} ({exc})") from None
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)) as conn:
+            migrate(conn)
+    except psycopg.OperationalError as exc:
+        raise StoreError(f"cannot connect to PostgreSQL at {where}: {str(exc).strip()}") from None
+
+
 class PostgresStore(SqlStore):
     """The exchange's state in a PostgreSQL database, shareable by several exchange processes."""
 
@@ -166,6 +181,7 @@ class PostgresStore(SqlStore):
         races = 0
         gone_since: float | None = None
         while True:
+            committing = False
             try:
                 with self._connections.connection(timeout=CONNECT_TIMEOUT_S) as conn:
                     if not write:
@@ -176,6 +192,9 @@ class PostgresStore(SqlStore):
                             result = fn(_Conn(conn))
                         except Refusal as kept:  # commit what it wrote, then refuse
                             refusal = kept
+                        committing = True
+                    if self.on_batch is not None:
+                        self.on_batch(1)  # one call, one transaction: every batch is of one
                     if refusal is not None:
                         raise refusal.fault
                     return result
@@ -186,9 +205,13 @@ class PostgresStore(SqlStore):
                 log.debug("transaction lost a race (%s); running it again", type(exc).__name__)
                 time.sleep(0.005 * races)
             except _GONE as exc:
-                # A restart of PostgreSQL: wait for it. A write whose COMMIT was sent but not
-                # answered may have committed; running it again is what the client's own retry
-                # would do, and every write is idempotent or harmless twice (a second lease expires).
+                if committing:
+                    # The COMMIT was sent and not answered: it may have committed. Running the
+                    # call again could apply it twice, so the caller hears that the outcome is
+                    # unknown (a 500) and retries through the idempotent API if it needs to.
+                    raise StoreError(f"PostgreSQL at {self.where} went away during COMMIT: {exc}") from exc
+                # Nothing was committed (the transaction died with its connection): wait out a
+                # restart of PostgreSQL, then run the call again from the start.
                 gone_since = gone_since or time.monotonic()
                 if time.monotonic() - gone_since > UNAVAILABLE_RETRY_S:
                     raise StoreError(f"PostgreSQL at {self.where} is unavailable: {exc}") from exc
@@ -213,15 +236,7 @@ class PostgresStore(SqlStore):
         await self._write(init)
 
     def _connect(self) -> None:
-        try:
-            conninfo_to_dict(self.url)
-        except psycopg.ProgrammingError as exc:
-            raise StoreError(f"not a PostgreSQL URL: {self.where} ({exc})") from None
-        try:
-            with psycopg.connect(self.url, autocommit=True, connect_timeout=int(CONNECT_TIMEOUT_S)) as conn:
-                migrate(conn)
-        except psycopg.OperationalError as exc:
-            raise StoreError(f"cannot connect to PostgreSQL at {self.where}: {str(exc).strip()}") from None
+        prepare(self.url)
         pool = ConnectionPool(self.url, min_size=1, max_size=POOL_SIZE, open=False,
                               kwargs={"autocommit": True}, configure=self._configure,
                               name="rollmarket-exchange")

@@ -213,21 +213,38 @@ class SqlStore(Store):
             result.failed_jobs.append(job_id)
         return new_state
 
+    def _fingerprint_feedback(self, conn: Any, fingerprint: str, score: float, *, rejected: bool) -> float:
+        """Fold one score into an engine fingerprint's quality; its new quality. The row is made
+        first and then locked, so concurrent first scores cannot overwrite each other."""
+        conn.execute("INSERT INTO fingerprints (fingerprint, quality) VALUES (?, ?)"
+                     " ON CONFLICT (fingerprint) DO NOTHING", (fingerprint, rules.NEUTRAL_QUALITY))
+        current = conn.execute("SELECT quality FROM fingerprints WHERE fingerprint=?" + self._LOCK,
+                               (fingerprint,)).fetchone()[0]
+        quality = rules.updated_quality(current, score, self.settings.feedback_alpha)
+        counter = "rejected_count" if rejected else "feedback_count"
+        conn.execute(f"UPDATE fingerprints SET quality=?, {counter}={counter}+1 WHERE fingerprint=?",
+                     (quality, fingerprint))
+        return quality
+
     def _record_rejection(self, conn: Any, now: float, group: SampleGroup,
                           findings: list[Finding]) -> None:
-        """A rejection stores nothing of the group, but it counts against the worker's quality
-        (as a feedback score of 0) so that dispatch stops preferring it."""
+        """A rejection stores nothing of the group, but it counts against the worker's quality and
+        its engine fingerprint's (as a feedback score of 0) so that dispatch stops preferring it.
+        The fingerprint is the one the exchange knows for the worker, never the submission's claim."""
         reasons = list(dict.fromkeys(f.reason.value for f in findings))
-        quality = conn.execute("SELECT quality FROM workers WHERE worker_id=?" + self._LOCK,
-                               (group.worker_id,)).fetchone()
-        if quality is not None:
+        worker = conn.execute("SELECT quality, loaded_fingerprint FROM workers WHERE worker_id=?" + self._LOCK,
+                              (group.worker_id,)).fetchone()
+        data: dict[str, Any] = {"group_id": group.group_id, "reasons": reasons}
+        if worker is not None:
             conn.execute(
                 "UPDATE workers SET quality=?, rejected_count=rejected_count+1 WHERE worker_id=?",
-                (rules.updated_quality(quality[0], rules.REJECTED_SCORE, self.settings.feedback_alpha),
+                (rules.updated_quality(worker["quality"], rules.REJECTED_SCORE, self.settings.feedback_alpha),
                  group.worker_id),
             )
-        self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id,
-                    {"group_id": group.group_id, "reasons": reasons})
+            fingerprint = worker["loaded_fingerprint"] or self._manifest(conn, group.worker_id).engine_fingerprint
+            self._fingerprint_feedback(conn, fingerprint, rules.REJECTED_SCORE, rejected=True)
+            data["fingerprint"] = fingerprint
+        self._audit(conn, now, "submission.rejected", group.worker_id, group.lease_id, data)
 
     def _touch_worker(self, conn: Any, worker_id: str, now: float) -> Any:
         row = conn.execute("SELECT * FROM workers WHERE worker_id=?" + self._LOCK, (worker_id,)).fetchone()
@@ -730,7 +747,8 @@ class SqlStore(Store):
 
     def _report(self, conn: Any, trainer_id: str, group_id: str, decision: GroupDecision | None,
                 feedback: TrainerFeedback | None, now: float) -> ReportReceipt:
-        row = conn.execute("SELECT worker_id, tier, status FROM groups WHERE group_id=?" + self._LOCK,
+        row = conn.execute("SELECT worker_id, tier, status, engine_fingerprint FROM groups WHERE group_id=?"
+                           + self._LOCK,
                            (group_id,)).fetchone()
         if row is None:
             raise _fault(ErrorCode.not_found, f"unknown group {group_id}")
@@ -763,8 +781,10 @@ class SqlStore(Store):
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (group_id, row["worker_id"], trainer_id, feedback.score, feedback.model_dump_json(), now),
             )
+            fingerprint = row["engine_fingerprint"]  # checked against the worker's reload ack on arrival
             self._audit(conn, now, "feedback.recorded", trainer_id, row["worker_id"], {
-                "group_id": group_id, "score": feedback.score, "quality": quality,
+                "group_id": group_id, "score": feedback.score, "quality": quality, "fingerprint": fingerprint,
+                "fingerprint_quality": self._fingerprint_feedback(conn, fingerprint, feedback.score, rejected=False),
             })
         return ReportReceipt(group_id=group_id, tier=tier, status=status,
                              worker_id=row["worker_id"], worker_quality=quality)

@@ -148,6 +148,12 @@ CREATE TABLE IF NOT EXISTS feedback (
     body TEXT NOT NULL,
     received_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS fingerprints (
+    fingerprint TEXT PRIMARY KEY,
+    quality REAL NOT NULL,
+    feedback_count INTEGER NOT NULL DEFAULT 0,
+    rejected_count INTEGER NOT NULL DEFAULT 0
+);
 CREATE TABLE IF NOT EXISTS audit (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     at REAL NOT NULL,

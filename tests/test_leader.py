@@ -16,8 +16,12 @@ import httpx
 import psycopg
 import pytest
 
+from helpers import job, manifest, policy, sha
 from postgres import Cluster
+from rollmarket.contracts import ReloadAck
 from rollmarket.exchange.leader import LEADER_LOCK_KEY, AdvisoryLockLeader, SoleLeader, leadership_for
+from rollmarket.exchange.service import Exchange
+from rollmarket.exchange.settings import ExchangeSettings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -151,3 +155,52 @@ def test_postgres_restart_and_kill_9_leadership_comes_back():
 def test_a_sqlite_exchange_says_it_leads(exchange):
     assert httpx.get(exchange.url + "/healthz").json()["leader"] is True
     assert "\nrollmarket_exchange_leader 1.0" in httpx.get(exchange.url + "/metrics").text
+
+
+class Switch:
+    """A leadership the test turns on and off."""
+
+    is_leader = False
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+def test_only_the_leader_reaps(tmp_path):
+    """A replica that does not lead leaves an expired lease alone; once it leads, its reaper ends it."""
+    async def expired(exchange: Exchange) -> list:
+        return (await exchange.audit(0, "lease.expired", None, 10)).events
+
+    async def scenario():
+        switch = Switch()
+        exchange = Exchange(ExchangeSettings(db=tmp_path / "x.db", trainer_token="t", lease_ttl_s=0.2,
+                                             reaper_interval_s=0.05, preference_hold_s=0), leadership=switch)
+        await exchange.start()
+        try:
+            await exchange.publish(policy(0), 1)
+            await exchange.register(manifest("w1"))
+            await exchange.ack_reload("w1", ReloadAck(worker_id="w1", policy_version=0,
+                                                      checkpoint_digest=sha("ckpt-0"), engine_fingerprint=sha("fp-w1")))
+            await exchange.enqueue([job(0)])
+            grant = await exchange.lease("w1", wait_s=5)
+            assert grant.lease is not None
+            await asyncio.sleep(1.5)  # 7 TTLs, 30 reaper intervals: a sweep here would have ended it
+            assert await expired(exchange) == []
+            switch.is_leader = True
+            await until_async(lambda: expired(exchange), what="the leader's reaper to expire the lease")
+            assert [e.subject for e in await expired(exchange)] == [grant.lease.lease_id]
+        finally:
+            await exchange.stop()
+
+    asyncio.run(scenario())
+
+
+async def until_async(fetch, timeout_s: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not await fetch():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)

@@ -5,6 +5,7 @@ What these tests protect:
 * **Replicas keep no state a request depends on.** A worker registered through one replica is
   accepted by another (and a forged secret still refused); a lease request
   waiting on one replica gets work enqueued through another within the re-check interval.
+* **A database outage is a 503** (`store_unavailable`), which clients retry and fail over on.
 * **Chaos: nothing acknowledged is lost, nothing happens twice.** Three replicas, sixteen worker
   processes (tests/crash_worker.py: each fsyncs a line per 200 receipt, and is given the three
   URLs starting at a different replica) and a trainer that enqueues and fetches through the URL
@@ -18,6 +19,7 @@ What these tests protect:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -32,7 +34,11 @@ from helpers import TRAINER_TOKEN, ExchangeProcess, job, manifest, policy, sha
 from postgres import Cluster
 from rollmarket import TrainerClient, WorkerClient
 from rollmarket.client import ExchangeUnavailable, ServerError, Unauthorized
+from rollmarket.client.errors import error_for
 from rollmarket.contracts import Tier
+from rollmarket.exchange.app import create_app
+from rollmarket.exchange.settings import ExchangeSettings
+from rollmarket.exchange.stores import postgres as pg_store
 from test_crash import Workers, wait_for
 from test_leader import lock_holders
 
@@ -255,3 +261,29 @@ def test_chaos_three_replicas_sixteen_workers_kill_and_restart(tmp_path):
         assert sorted(served) == sorted(stored)
         for server in servers:
             server.stop()
+
+
+def test_postgres_down_answers_503_store_unavailable(monkeypatch):
+    """A replica whose database is gone answers 503 `store_unavailable` (not 500): clients retry a
+    503 and fail over on it (tests/test_client_retries.py), and type it as ExchangeUnavailable."""
+    monkeypatch.setattr(pg_store, "UNAVAILABLE_RETRY_S", 1.0)  # the store's wait for PostgreSQL to return
+    with Cluster() as cluster:
+        url = cluster.create_database("down")
+        app = create_app(ExchangeSettings(db=url, trainer_token=TRAINER_TOKEN))
+        exchange = app.state.exchange
+
+        async def scenario():
+            await exchange.start()
+            try:
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://replica",
+                                             headers={"authorization": f"Bearer {TRAINER_TOKEN}"}) as http:
+                    assert (await http.get("/v1/pool")).status_code == 200
+                    await asyncio.to_thread(cluster.stop)
+                    answer = await http.get("/v1/pool")
+                    return answer.status_code, answer.json()
+            finally:
+                await exchange.stop()
+
+        status, body = asyncio.run(scenario())
+    assert status == 503 and body["error"]["code"] == "store_unavailable", body
+    assert isinstance(error_for(status, body), ExchangeUnavailable)

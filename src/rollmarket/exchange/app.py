@@ -61,7 +61,7 @@ from .codec import clip, parse, respond, wants_msgpack
 from .errors import ExchangeFault
 from .service import Exchange
 from .settings import ExchangeSettings
-from .store import FetchFilter, StoredGroup
+from .store import FetchFilter, StoredGroup, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class _Boundary:
 _ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "Malformed body"), (401, "Missing or invalid token"), (403, "Not allowed for this token"),
     (404, "Not found"), (409, "Conflict"), (413, "Payload too large"), (415, "Unsupported media type"),
-    (422, "Invalid or rejected"),
+    (422, "Invalid or rejected"), (503, "The database is unavailable; try again"),
 )}
 
 
@@ -275,6 +275,12 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     async def on_fault(request: Request, fault: ExchangeFault) -> Response:
         headers = {"WWW-Authenticate": "Bearer"} if fault.status == 401 else None
         return JSONResponse(fault.body().model_dump(mode="json"), status_code=fault.status, headers=headers)
+
+    @app.exception_handler(StoreError)
+    async def on_store_error(request: Request, exc: StoreError) -> Response:
+        # PostgreSQL down or restarting: 503, which clients retry and fail over on (500 they do not).
+        log.warning("store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return await on_fault(request, ExchangeFault(ErrorCode.store_unavailable, str(exc)))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -210,27 +210,28 @@ def test_waiting_returns_as_soon_as_the_exchange_answers(tmp_path):
 # -- real processes ------------------------------------------------------------------------------
 
 def test_a_worker_started_before_its_exchange_waits_then_works(tmp_path):
-    """`rollmarket worker` on a port where nothing listens: it prints the waiting line (no
-    traceback), and once an exchange starts on that port it registers, loads the policy and
-    delivers a group."""
+    """`rollmarket worker` given two URLs (replicas) where nothing listens: it prints the waiting
+    line naming both (no traceback), and once an exchange starts on the second it fails over to it,
+    registers, loads the policy and delivers a group."""
     from rollmarket.engines.provenance import checkpoint_digest, model_config, model_config_hash, tokenizer_hash
     from rollmarket.contracts import PolicyManifest
     from rollmarket.tasks.suites import load_suite
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    closed = f"http://127.0.0.1:{free_port()}"  # a replica that never comes up
     log_path = tmp_path / "worker.log"
     events = tmp_path / "events.jsonl"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollmarket", "worker", "--model", str(MOE), "--threads", "1",
-             "--exchange", url, "--worker-id", "early", "--heartbeat-s", "0.5", "--lease-wait-s", "1",
+             "--exchange", f"{closed},{url}", "--worker-id", "early", "--heartbeat-s", "0.5", "--lease-wait-s", "1",
              "--max-groups", "1", "--events", str(events)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     server = ExchangeProcess(tmp_path / "ex.db", tmp_path / "ex.log", port=port)
     try:
         deadline = time.monotonic() + 300
-        while f"waiting for the exchange at {url} (connection refused)" not in log_path.read_text():
+        while f"waiting for the exchange at {closed}, {url} (connection refused)" not in log_path.read_text():
             assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)

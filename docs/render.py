@@ -28,7 +28,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("docs/benchmarks.md", "docs/experiments.md", "docs/models.md")
+DOCS = ("docs/benchmarks.md", "docs/experiments.md", "docs/models.md", "docs/deploy.md")
 BLOCK_RE = re.compile(r"<!-- generated: (?P<name>[a-z0-9-]+) -->\n(?P<body>.*?)<!-- /generated -->", re.S)
 
 BLOCKS: dict[str, Callable[[], str]] = {}
@@ -1610,6 +1610,63 @@ def _():
             f"demonstrations, {report['train']['steps_done']} steps in {report['train']['wall_s']:.0f} s "
             f"({report['machine']['cpu_threads']} torch thread, {report['machine']['platform']}). "
             f"`model.safetensors`: {report['safetensors_bytes'] / 1e6:.1f} MB.\n")
+
+
+# ---- PostgreSQL and replicas (issue 16) -----------------------------------------------------------
+
+STORES = "benchmarks/results/store_compare.json"
+
+
+def _store_rows(kind: str) -> list[dict]:
+    return [r for r in load(STORES)["rows"] if r["kind"] == kind]
+
+
+def _store_base(kind: str) -> dict:
+    return next(r for r in _store_rows(kind) if r["store"] == "sqlite")
+
+
+def _store_label(r: dict) -> str:
+    return "SQLite" if r["store"] == "sqlite" else f"PostgreSQL, {r['replicas']} replica{'s' * (r['replicas'] > 1)}"
+
+
+@block("store-compare-provenance")
+def _():
+    return provenance(STORES, load(STORES))
+
+
+@block("store-compare-ingest")
+def _():
+    base = _store_base("ingest")["tokens_per_s"]
+    rows = [[_store_label(r), str(r["workers"]), f"{r['tokens_per_s'] / 1e6:.2f}M",
+             bold(times(r["tokens_per_s"] / base), r["store"] != "sqlite"),
+             f"{r['lease_p50_ms']:.1f} / {r['lease_p99_ms']:.1f}", f"{r['submit_p50_ms']:.1f} / {r['submit_p99_ms']:.1f}",
+             f"{r['server_cpu_ms_per_group']:.2f}"] for r in _store_rows("ingest")]
+    return table(["store", "workers", "response tokens/s", "vs SQLite", "lease p50 / p99 ms",
+                  "submit p50 / p99 ms", "server CPU ms/group (all replicas)"], list("lr") + list("r" * 5), rows)
+
+
+@block("store-compare-fairness")
+def _():
+    base = _store_base("fairness")["leases_per_s"]
+    rows = [[_store_label(r), n(r["workers"]), f"{r['leases_per_s']:.1f}", times(r["leases_per_s"] / base),
+             bold(f"{r['jain']:.3f}"), f"{r['min_leases']} / {r['max_leases']}", n(r["lease_p99_ms"], 1),
+             "–" if r["submit_p99_ms"] is None else n(r["submit_p99_ms"], 1)] for r in _store_rows("fairness")]
+    return table(["store", "light workers", "leases/s", "vs SQLite", "Jain's index", "min / max leases per worker",
+                  "lease p99 ms", "submit p99 ms"], list("lr") + list("r" * 6), rows)
+
+
+@block("store-compare-summary")
+def _():
+    ingest, fair = _store_rows("ingest"), _store_rows("fairness")
+    base_i, base_f = _store_base("ingest"), _store_base("fairness")
+    parts = [f"{_store_label(r)}: {times(r['tokens_per_s'] / base_i['tokens_per_s'])} SQLite's ingest "
+             f"({r['tokens_per_s'] / 1e6:.2f}M response tokens/s, p99 lease {r['lease_p99_ms']:.0f} ms, "
+             f"p99 submit {r['submit_p99_ms']:.0f} ms)" for r in ingest if r["store"] != "sqlite"]
+    jain = ", ".join(f"{_store_label(r)} {r['jain']:.3f}" for r in fair)
+    return (f"SQLite ingests {base_i['tokens_per_s'] / 1e6:.2f}M response tokens/s with {base_i['workers']} workers "
+            f"(p99 lease {base_i['lease_p99_ms']:.0f} ms, p99 submit {base_i['submit_p99_ms']:.0f} ms); "
+            + "; ".join(parts) + f". Lease fairness over {n(base_f['workers'])} light workers (Jain's index, "
+            f"1.0 = every worker got as many leases): {jain}. " + provenance(STORES, load(STORES)))
 
 
 # ---- the two commands ---------------------------------------------------------------------------

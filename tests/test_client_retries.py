@@ -21,7 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import TRAINER_TOKEN, ExchangeProcess
+from helpers import TRAINER_TOKEN, ExchangeProcess, job, manifest, policy
 
 from rollmarket import TrainerClient, WorkerClient
 from rollmarket.client import ExchangeUnavailable, ExchangeUnreachable, ServerError
@@ -210,27 +210,28 @@ def test_waiting_returns_as_soon_as_the_exchange_answers(tmp_path):
 # -- real processes ------------------------------------------------------------------------------
 
 def test_a_worker_started_before_its_exchange_waits_then_works(tmp_path):
-    """`rollmarket worker` on a port where nothing listens: it prints the waiting line (no
-    traceback), and once an exchange starts on that port it registers, loads the policy and
-    delivers a group."""
+    """`rollmarket worker` given two URLs (replicas) where nothing listens: it prints the waiting
+    line naming both (no traceback), and once an exchange starts on the second it fails over to it,
+    registers, loads the policy and delivers a group."""
     from rollmarket.engines.provenance import checkpoint_digest, model_config, model_config_hash, tokenizer_hash
     from rollmarket.contracts import PolicyManifest
     from rollmarket.tasks.suites import load_suite
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    closed = f"http://127.0.0.1:{free_port()}"  # a replica that never comes up
     log_path = tmp_path / "worker.log"
     events = tmp_path / "events.jsonl"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rollmarket", "worker", "--model", str(MOE), "--threads", "1",
-             "--exchange", url, "--worker-id", "early", "--heartbeat-s", "0.5", "--lease-wait-s", "1",
+             "--exchange", f"{closed},{url}", "--worker-id", "early", "--heartbeat-s", "0.5", "--lease-wait-s", "1",
              "--max-groups", "1", "--events", str(events)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     server = ExchangeProcess(tmp_path / "ex.db", tmp_path / "ex.log", port=port)
     try:
         deadline = time.monotonic() + 300
-        while f"waiting for the exchange at {url} (connection refused)" not in log_path.read_text():
+        while f"waiting for the exchange at {closed}, {url} (connection refused)" not in log_path.read_text():
             assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
@@ -271,3 +272,76 @@ def test_the_trainer_against_a_closed_port_waits_then_fails_in_one_line(tmp_path
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: the exchange at " + url + " did not answer for"), last
     assert last.count(" — ") == 1 and "rollmarket exchange serve" in last  # what, then one way to fix it
+
+
+# -- several exchange URLs (replicas): failover ------------------------------------------------
+
+def test_failover_moves_past_a_dead_and_a_503_replica_and_sticks(exchange):
+    """URLs: a closed port, a replica answering 503, then a real exchange. Registration (never
+    sent to the closed port; idempotent-safe past the 503) lands on the real exchange at once,
+    and later calls stay there: the 503 server sees one request in all."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    with FlakyServer(failures=10_000) as busy:
+        with exchange.trainer() as trainer:
+            trainer.publish_policy(policy(0))
+        worker = WorkerClient(f"{closed}, {busy.url},{exchange.url}/", retries=0, wire="json")
+        assert worker.http.urls == (closed, busy.url, exchange.url)
+        with pytest.raises(ServerError):  # connection refused → next URL; its 503 ends a non-idempotent call
+            worker.register(manifest("w-fo"))
+        assert worker.http.url == exchange.url
+        worker.register(manifest("w-fo"))
+        for _ in range(3):
+            worker.heartbeat()
+        assert sum(len(v) for v in busy.arrivals.values()) == 1
+        with exchange.trainer() as trainer:
+            events = trainer.audit(kind="worker.*", subject="w-fo").events
+        assert [e.kind for e in events].count("worker.registered") == 1
+        worker.close()
+
+
+def test_failover_retries_an_idempotent_call_on_the_next_url_at_once(exchange):
+    """A 503 from the first URL: an idempotent read goes to the next URL with no backoff."""
+    with FlakyServer(failures=10_000) as busy:
+        with TrainerClient([busy.url, exchange.url], TRAINER_TOKEN, retries=0, wire="json") as trainer:
+            started = time.monotonic()
+            assert trainer.policies() == []
+            assert time.monotonic() - started < 5
+            assert trainer.http.url == exchange.url
+        assert len(busy.arrivals["GET /v1/policies"]) == 1
+
+
+def test_non_idempotent_call_that_may_have_arrived_is_not_repeated_elsewhere(exchange):
+    """A lease request whose connection drops after it went out is not sent to the next replica
+    (it may have been granted); the next call goes there."""
+    hangup = HangUp()
+    try:
+        with exchange.trainer() as trainer:
+            trainer.publish_policy(policy(0))
+            trainer.enqueue([job(0)])
+        worker = WorkerClient(exchange.url, wire="json")
+        worker.register(manifest("w-hang"))
+        worker.ack_reload(0, policy(0).checkpoint_digest)
+        both = WorkerClient([hangup.url, exchange.url], worker.http.token, manifest=worker.manifest,
+                            retries=3, wire="json")
+        with pytest.raises(ExchangeUnavailable):
+            both.lease()
+        assert hangup.accepted == 1
+        with exchange.trainer() as trainer:
+            assert trainer.audit(kind="lease.*").events == []
+        grant = both.lease(wait_s=5)
+        assert grant.lease is not None and both.http.url == exchange.url
+        assert hangup.accepted == 1
+        both.close()
+        worker.close()
+    finally:
+        hangup.close()
+
+
+def test_wait_for_exchange_finds_the_replica_that_answers(exchange):
+    closed = f"http://127.0.0.1:{free_port()}"
+    with WorkerClient([closed, exchange.url]) as worker:
+        worker.http.wait_for_exchange(30)
+        assert worker.http.url == exchange.url
+    with WorkerClient([closed, f"http://127.0.0.1:{free_port()}"]) as worker:
+        with pytest.raises(ExchangeUnreachable, match=closed):
+            worker.http.wait_for_exchange(1.0)

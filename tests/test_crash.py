@@ -99,16 +99,18 @@ def assert_integrity(conn: sqlite3.Connection) -> None:
 
 # -- test 1: workers streaming submissions through repeated SIGKILLs ----------------------------
 class Workers:
-    """`crash_worker.py` processes, their acknowledged/refused records and logs."""
+    """`crash_worker.py` processes, their acknowledged/refused records and logs. `url` is every
+    worker's exchange URL, or a list with one (possibly comma-separated replicas) per worker."""
 
-    def __init__(self, url: str, out: Path, n: int):
+    def __init__(self, url: str | list[str], out: Path, n: int, tokens: int = TOKENS):
         self.out = out
         self.ids = [f"crash-w{i}" for i in range(n)]
+        urls = url if isinstance(url, list) else [url] * n
         self.procs: list[subprocess.Popen] = []
-        for worker_id in self.ids:
+        for worker_id, worker_url in zip(self.ids, urls, strict=True):
             log = open(out / f"{worker_id}.log", "wb")
             self.procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER_SCRIPT), url, worker_id, str(out), str(TOKENS)],
+                [sys.executable, str(WORKER_SCRIPT), worker_url, worker_id, str(out), str(tokens)],
                 stdout=log, stderr=subprocess.STDOUT))
             log.close()
 

@@ -97,6 +97,7 @@ _BY_CODE: dict[str, type[ExchangeError]] = {
     ErrorCode.lease_not_active.value: Conflict,
     ErrorCode.digest_mismatch.value: DigestMismatch,
     ErrorCode.internal.value: ServerError,
+    ErrorCode.store_unavailable.value: ExchangeUnavailable,
 }
 _BY_STATUS = {400: InvalidRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 409: Conflict,
               413: PayloadTooLarge, 415: InvalidRequest, 422: InvalidRequest}

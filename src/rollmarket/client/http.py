@@ -9,8 +9,13 @@ What is retried:
   repeat (heartbeats, reload acks, submissions — the exchange answers a resubmitted group with
   its first receipt —, enqueues — idempotency keys —, policy publishes of the same content, reads).
 
+Several replicas: the client takes a list of base URLs (or one string of them separated by
+commas) and sticks with one while it answers. A transport error or a 502/503/504 moves the client to
+the next URL — for the following call, and for this call's retry when the rules above allow one,
+which goes out at once on the new URL (the backoff applies after a round of all of them).
+
 `wait_for_exchange` is for a process's first contact: it waits (with backoff, for minutes if need
-be) until the exchange answers, saying so in one log line every few seconds.
+be) until one of the URLs answers, saying so in one log line every few seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Literal, TypeVar
 
 import httpx
@@ -52,6 +58,15 @@ class _RetryableStatus(Exception):
         self.response = response
 
 
+def exchange_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
+    """Base URLs from a list or from one string of them separated by commas ('http://a:1,http://b:2')."""
+    items = urls.split(",") if isinstance(urls, str) else list(urls)
+    cleaned = tuple(u.strip().rstrip("/") for u in items if u.strip())
+    if not cleaned:
+        raise ValueError("no exchange URL given")
+    return cleaned
+
+
 def describe(exc: BaseException) -> str:
     """A short reason for a failed contact, for one log line: 'connection refused', 'HTTP 503'."""
     if isinstance(exc, _RetryableStatus):
@@ -69,28 +84,47 @@ def describe(exc: BaseException) -> str:
 
 
 class HttpClient:
-    """A thin httpx wrapper with typed errors and retries (see the module docstring).
+    """A thin httpx wrapper with typed errors, retries and failover (see the module docstring).
 
-    `retries` bounds the attempts after the first, `retry_total_s` the time spent retrying one
-    call; waits grow from `backoff_initial_s` by doubling, with up to as much again of random
-    jitter, to at most `backoff_max_s`.
+    `urls` is one base URL, several (a list, or one string separated by commas) for exchange
+    replicas. `retries` bounds the attempts after the first — plus one for each further URL, so
+    that every replica gets a try —, `retry_total_s` the time spent retrying one call; waits grow
+    from `backoff_initial_s` by doubling, with up to as much again of random jitter, to at most
+    `backoff_max_s`.
     """
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 60.0, retries: int = 4,
-                 wire: Wire = "msgpack", transport: httpx.BaseTransport | None = None,
+    def __init__(self, urls: str | Sequence[str], token: str | None = None, *, timeout: float = 60.0,
+                 retries: int = 4, wire: Wire = "msgpack", transport: httpx.BaseTransport | None = None,
                  retry_total_s: float = 30.0, backoff_initial_s: float = 0.1, backoff_max_s: float = 2.0):
-        self.url = url.rstrip("/")
+        self.urls = exchange_urls(urls)
         self.token = token
         self.retries = retries
         self.retry_total_s = retry_total_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.wire = wire
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport,
-                                  headers={"user-agent": "rollmarket-client"})
+        self._clients = [httpx.Client(base_url=url, timeout=timeout, transport=transport,
+                                      headers={"user-agent": "rollmarket-client"}) for url in self.urls]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        """The base URL calls go to now."""
+        return self.urls[self._current]
+
+    def _fail_over(self, failed: int) -> None:
+        """Move on from URL number `failed`, unless another thread already has."""
+        if len(self.urls) == 1:
+            return
+        with self._lock:
+            if self._current == failed:
+                self._current = (failed + 1) % len(self.urls)
+                log.info("exchange at %s failed; moving to %s", self.urls[failed], self.urls[self._current])
 
     def close(self) -> None:
-        self._http.close()
+        for client in self._clients:
+            client.close()
 
     def __enter__(self):
         return self
@@ -113,9 +147,18 @@ class HttpClient:
             return body.model_dump_json().encode(), JSON
         return json.dumps(body, default=lambda m: m.model_dump(mode="json")).encode(), JSON
 
-    def _wait(self) -> wait_exponential_jitter:
-        return wait_exponential_jitter(multiplier=self.backoff_initial_s, max=self.backoff_max_s,
-                                       jitter=self.backoff_initial_s)
+    def _wait(self):
+        return self._round_wait(wait_exponential_jitter(multiplier=self.backoff_initial_s, max=self.backoff_max_s,
+                                                        jitter=self.backoff_initial_s))
+
+    def _round_wait(self, backoff):
+        """`backoff` after each full round of the URLs; a retry on the next URL goes at once."""
+        rounds = len(self.urls)
+
+        def wait(state: RetryCallState) -> float:
+            return backoff(state) if state.attempt_number % rounds == 0 else 0.0
+
+        return wait
 
     def call(self, method: str, path: str, *, body: Any = None, params: dict[str, Any] | None = None,
              answer: type[M] | Any = None, idempotent: bool = False,
@@ -134,8 +177,15 @@ class HttpClient:
             return idempotent and isinstance(exc, (httpx.TransportError, _RetryableStatus))
 
         def send() -> httpx.Response:
-            response = self._http.request(method, path, content=content, params=params, headers=request_headers)
+            index = self._current
+            try:
+                response = self._clients[index].request(method, path, content=content, params=params,
+                                                        headers=request_headers)
+            except httpx.TransportError:
+                self._fail_over(index)
+                raise
             if response.status_code in RETRY_STATUS:
+                self._fail_over(index)
                 raise _RetryableStatus(response)
             return response
 
@@ -144,7 +194,7 @@ class HttpClient:
                       describe(state.outcome.exception()))
 
         retrying = Retrying(
-            stop=stop_after_attempt(self.retries + 1) | stop_after_delay(self.retry_total_s),
+            stop=stop_after_attempt(self.retries + len(self.urls)) | stop_after_delay(self.retry_total_s),
             wait=self._wait(), retry=retry_if_exception(retryable), before_sleep=note, reraise=True,
         )
         try:
@@ -157,9 +207,10 @@ class HttpClient:
 
     def wait_for_exchange(self, give_up_after_s: float, *, say_every_s: float = 5.0,
                           stop: threading.Event | None = None) -> None:
-        """Block until the exchange answers `GET /healthz`, backing off up to 5 s between tries.
+        """Block until one of the URLs answers `GET /healthz` (trying them in turn), backing off
+        up to 5 s between rounds; the client then sticks with the one that answered.
 
-        While it does not, log one WARNING line — "waiting for the exchange at URL (reason);
+        While none does, log one WARNING line — "waiting for the exchange at URL (reason);
         retrying in Ns" — at most every `say_every_s`. Raise ExchangeUnreachable (one line, no
         traceback needed) after `give_up_after_s`, or return early when `stop` is set.
         """
@@ -167,15 +218,21 @@ class HttpClient:
         started = time.monotonic()
 
         def healthy() -> None:
-            response = self._http.get("/healthz", headers={"accept": JSON})
+            index = self._current
+            try:
+                response = self._clients[index].get("/healthz", headers={"accept": JSON})
+            except httpx.TransportError:
+                self._fail_over(index)
+                raise
             if response.status_code != 200:
+                self._fail_over(index)
                 raise _RetryableStatus(response)
 
         def say(state: RetryCallState) -> None:
             now = time.monotonic()
             if now - said[0] >= say_every_s:
                 said[0] = now
-                log.warning("waiting for the exchange at %s (%s); retrying in %.0fs", self.url,
+                log.warning("waiting for the exchange at %s (%s); retrying in %.0fs", ", ".join(self.urls),
                             describe(state.outcome.exception()), max(state.upcoming_sleep, 1.0))
 
         def stopped(state: RetryCallState) -> bool:
@@ -183,7 +240,7 @@ class HttpClient:
 
         retrying = Retrying(
             stop=stop_after_delay(give_up_after_s) | stopped,
-            wait=wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.5),
+            wait=self._round_wait(wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.5)),
             retry=retry_if_exception(lambda exc: isinstance(exc, (httpx.TransportError, _RetryableStatus))),
             before_sleep=say, reraise=True, sleep=stop.wait if stop is not None else time.sleep,
         )
@@ -193,8 +250,8 @@ class HttpClient:
             if stop is not None and stop.is_set():
                 return
             raise ExchangeUnreachable(
-                f"the exchange at {self.url} did not answer for {time.monotonic() - started:.0f}s "
-                f"({describe(exc)})") from None
+                f"the exchange at {', '.join(self.urls)} did not answer for "
+                f"{time.monotonic() - started:.0f}s ({describe(exc)})") from None
         if said[0] > float("-inf"):
             log.warning("the exchange at %s answers; going on", self.url)
 

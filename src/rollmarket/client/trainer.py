@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import httpx
 
@@ -29,14 +29,15 @@ from .http import HttpClient, Wire
 
 
 class TrainerClient:
-    """A trainer's session with an exchange.
+    """A trainer's session with an exchange (`url`: one base URL, or several replicas' — a list or
+    one string separated by commas — among which it fails over).
 
     >>> trainer = TrainerClient("http://127.0.0.1:8470", token)
     >>> trainer.publish_policy(manifest); trainer.enqueue(jobs)
     >>> for fetched in trainer.fetch(limit=8).groups: ...
     """
 
-    def __init__(self, url: str, token: str, *, trainer_id: str = "default", timeout: float = 60.0,
+    def __init__(self, url: str | Sequence[str], token: str, *, trainer_id: str = "default", timeout: float = 60.0,
                  retries: int = 4, wire: Wire = "msgpack", verify_hashes: bool = True,
                  transport: httpx.BaseTransport | None = None):
         self.http = HttpClient(url, token, timeout=timeout, retries=retries, wire=wire, transport=transport)

@@ -28,7 +28,8 @@ from .http import HttpClient, Wire
 
 
 class WorkerClient:
-    """One worker's session with an exchange.
+    """One worker's session with an exchange (`url`: one base URL, or several replicas' — a list or
+    one string separated by commas — among which it fails over).
 
     >>> client = WorkerClient("http://127.0.0.1:8470")
     >>> client.register(manifest)          # keeps the returned token
@@ -36,7 +37,7 @@ class WorkerClient:
     >>> client.submit(client.group_for(grant, trajectories))
     """
 
-    def __init__(self, url: str, token: str | None = None, *, manifest: WorkerManifest | None = None,
+    def __init__(self, url: str | Sequence[str], token: str | None = None, *, manifest: WorkerManifest | None = None,
                  signing_key: Ed25519PrivateKey | None = None, timeout: float = 60.0, retries: int = 4,
                  wire: Wire = "msgpack", transport: httpx.BaseTransport | None = None):
         self.http = HttpClient(url, token, timeout=timeout, retries=retries, wire=wire, transport=transport)

@@ -33,6 +33,9 @@ class ErrorCode(str, Enum):
     lease_not_active = "lease_not_active"
     """The lease was already submitted, failed, expired or abandoned (409)."""
     internal = "internal"
+    store_unavailable = "store_unavailable"
+    """The exchange's database could not be reached, or went away mid-write (503): try again, here
+    or on another replica; an idempotent call finds what an earlier try wrote."""
 
 
 class ErrorDetail(Record):

@@ -61,7 +61,7 @@ from .codec import clip, parse, respond, wants_msgpack
 from .errors import ExchangeFault
 from .service import Exchange
 from .settings import ExchangeSettings
-from .store import FetchFilter, StoredGroup
+from .store import FetchFilter, StoredGroup, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class Health(Record):
     status: Name
     version: Name
     time: float
+    leader: bool = Field(description="Whether this replica runs the singleton sweeps (the reaper) now.")
 
 
 def _id_path(what: str):
@@ -185,7 +186,7 @@ class _Boundary:
 _ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "Malformed body"), (401, "Missing or invalid token"), (403, "Not allowed for this token"),
     (404, "Not found"), (409, "Conflict"), (413, "Payload too large"), (415, "Unsupported media type"),
-    (422, "Invalid or rejected"),
+    (422, "Invalid or rejected"), (503, "The database is unavailable; try again"),
 )}
 
 
@@ -275,6 +276,12 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         headers = {"WWW-Authenticate": "Bearer"} if fault.status == 401 else None
         return JSONResponse(fault.body().model_dump(mode="json"), status_code=fault.status, headers=headers)
 
+    @app.exception_handler(StoreError)
+    async def on_store_error(request: Request, exc: StoreError) -> Response:
+        # PostgreSQL down or restarting: 503, which clients retry and fail over on (500 they do not).
+        log.warning("store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return await on_fault(request, ExchangeFault(ErrorCode.store_unavailable, str(exc)))
+
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
         errors = [{"loc": [clip(str(p), 64) for p in e.get("loc", ())], "msg": clip(str(e.get("msg")), 500)}
@@ -306,7 +313,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
               responses={200: {"model": HeartbeatReply}, **_ERRORS})
     async def heartbeat(request: Request) -> Response:
         """Say the worker is alive; learn which policy to load and which leases no longer stand."""
-        worker_id = exchange.worker_of(authz(request))
+        worker_id = await exchange.worker_of(authz(request))
         beat, _, _ = await parse(request, WorkerHeartbeat, limit)
         return respond(request, await exchange.heartbeat(worker_id, beat))
 
@@ -315,21 +322,21 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
                                                             description="Long-poll for work up to this many seconds "
                                                                         "(the exchange caps it at --max-lease-wait-s).")) -> Response:
         """Lease one job that fits this worker, or learn why there is none."""
-        worker_id = exchange.worker_of(authz(request))
+        worker_id = await exchange.worker_of(authz(request))
         return respond(request, await exchange.lease(worker_id, wait_s))
 
     @app.post("/v1/leases/{lease_id}/renew", tags=["workers"],
               responses={200: {"model": RolloutLease}, **_ERRORS})
     async def renew_lease(request: Request, lease_id: str = _id_path("lease")) -> Response:
         """Extend a lease the worker still works on by another lease TTL (long agent rollouts)."""
-        worker_id = exchange.worker_of(authz(request))
+        worker_id = await exchange.worker_of(authz(request))
         return respond(request, await exchange.renew(worker_id, lease_id))
 
     @app.post("/v1/leases/{lease_id}/fail", tags=["workers"], openapi_extra=_body(FailureReport),
               responses={200: {"model": JobStateAnswer}, **_ERRORS})
     async def fail_lease(request: Request, lease_id: str = _id_path("lease")) -> Response:
         """Give a lease back because the job could not be done; the job is re-queued or failed."""
-        worker_id = exchange.worker_of(authz(request))
+        worker_id = await exchange.worker_of(authz(request))
         report, _, _ = await parse(request, FailureReport, limit)
         state = await exchange.fail(worker_id, lease_id, report)
         return respond(request, JobStateAnswer(lease_id=lease_id, job_state=state))
@@ -338,7 +345,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
               responses={200: {"model": SubmissionReceipt}, **_ERRORS})
     async def submit_group(request: Request) -> Response:
         """Submit the group for a lease. Idempotent per lease: the same group twice gets the same receipt."""
-        worker_id = exchange.worker_of(authz(request))
+        worker_id = await exchange.worker_of(authz(request))
         group, body, kind = await parse(request, SampleGroup, limit)
         receipt = await exchange.submit(worker_id, group, body if kind == MSGPACK else None)
         return respond(request, receipt)
@@ -347,7 +354,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
               responses={200: {"model": ReloadStatus}, **_ERRORS})
     async def ack_reload(request: Request) -> Response:
         """Confirm a policy version is loaded; a digest that contradicts the manifest is a 409 violation."""
-        worker_id = exchange.worker_of(authz(request))
+        worker_id = await exchange.worker_of(authz(request))
         ack, _, _ = await parse(request, ReloadAck, limit)
         return respond(request, await exchange.ack_reload(worker_id, ack))
 
@@ -356,21 +363,21 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
               responses={200: {"model": PoolStatus}, **_ERRORS})
     async def publish_policy(request: Request, quorum: int | None = Query(None, ge=1, le=MAX_COUNT, description="Acks needed to activate; default from settings.")) -> Response:
         """Publish a new policy version; it becomes active once its reload quorum acks it."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         manifest, _, _ = await parse(request, PolicyManifest, limit)
         return respond(request, await exchange.publish(manifest, quorum))
 
     @app.get("/v1/policies", tags=["trainer"], responses={200: {"model": list[PolicyManifest]}, **_ERRORS})
     async def list_policies(request: Request) -> Response:
         """Every published policy manifest, oldest first."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         return respond(request, [p.model_dump(mode="json") for p in await exchange.policies()])
 
     @app.post("/v1/jobs", tags=["trainer"], openapi_extra=_body(JobBatch),
               responses={200: {"model": EnqueueResult}, **_ERRORS})
     async def enqueue_jobs(request: Request) -> Response:
         """Enqueue jobs. Idempotent per idempotency_key; a different job under a used key is a 409."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         batch, _, _ = await parse(request, JobBatch, limit)
         return respond(request, EnqueueResult(receipts=await exchange.enqueue(batch.jobs)))
 
@@ -378,7 +385,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     async def list_jobs(request: Request, state: str | None = Query(None, max_length=32, description="queued, leased, done, failed or expired."),
                         limit: int = Query(100, ge=1, le=10_000)) -> Response:
         """Jobs with their state and attempts."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         jobs = await exchange.store.jobs(state, limit)
         return respond(request, [j.model_dump(mode="json") for j in jobs])
 
@@ -395,7 +402,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         trainer_id: str | None = _id_query("Which trainer asks (or the X-Trainer-Id header)."),
     ) -> Response:
         """Fetch stored groups that fit the filters; each serving is counted per trainer."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         who = _trainer_id(trainer_id, request.headers.get("x-trainer-id"))
         batch = await exchange.fetch(FetchFilter(
             trainer_id=who, tier=tier, policy_version=policy_version, max_staleness=max_staleness,
@@ -413,7 +420,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     @app.get("/v1/groups/{group_id}", tags=["trainer"], responses={200: {"model": FetchedGroup}, **_ERRORS})
     async def get_group(request: Request, group_id: str = _id_path("group")) -> Response:
         """One stored group by id, for inspection; not counted as served."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         stored = await exchange.group(group_id)
         pool = await exchange.pool()
         as_msgpack = wants_msgpack(request)
@@ -426,7 +433,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
               responses={200: {"model": ReportReceipt}, **_ERRORS})
     async def report_group(request: Request, group_id: str = _id_path("group")) -> Response:
         """Record a trainer's decision on a group (moving it between tiers) and its feedback."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         report, _, _ = await parse(request, GroupReport, limit)
         trainer_id = _trainer_id(report.feedback.trainer_id if report.feedback else None,
                                  request.headers.get("x-trainer-id"))
@@ -436,7 +443,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
               responses={200: {"model": ReportBatchResult}, **_ERRORS})
     async def report_groups(request: Request) -> Response:
         """Record decisions and feedback on several groups in one call (one write): all or none."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         batch, _, _ = await parse(request, ReportBatch, limit)
         header = request.headers.get("x-trainer-id")
         reports = [(_trainer_id(item.feedback.trainer_id if item.feedback else None, header), item.group_id,
@@ -446,13 +453,13 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     @app.get("/v1/pool", tags=["trainer"], responses={200: {"model": PoolStatus}, **_ERRORS})
     async def pool_status(request: Request) -> Response:
         """Active and published versions, reload quorum, workers, and job/lease/group counts."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         return respond(request, await exchange.pool())
 
     @app.get("/v1/workers", tags=["trainer"], responses={200: {"model": list[WorkerSummary]}, **_ERRORS})
     async def list_workers(request: Request) -> Response:
         """Every registered worker with its status, alignment and feedback quality."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         return respond(request, [w.model_dump(mode="json") for w in await exchange.workers()])
 
     @app.get("/v1/market", tags=["trainer"], responses={200: {"model": MarketReport}, **_ERRORS})
@@ -460,7 +467,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         """The marketplace: workers with their profile and record, decisions over time by worker and
         tier, rejection reasons, policy lag at arrival, reload-ack latency, accepted tokens/s and
         each trainer's idle fraction (read-only; the dashboard's /market page)."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         return respond(request, await exchange.market())
 
     @app.get("/v1/audit", tags=["trainer"], responses={200: {"model": AuditPage}, **_ERRORS})
@@ -472,14 +479,14 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         limit: int = Query(500, ge=1, le=10_000),
     ) -> Response:
         """The append-only audit log of every state change."""
-        exchange.require_trainer(authz(request))
+        await exchange.require_trainer(authz(request))
         return respond(request, await exchange.audit(since_seq, kind, subject, limit))
 
     # -- operations -----------------------------------------------------------------------
     @app.get("/healthz", tags=["ops"], response_model=Health)
     async def healthz() -> Health:
         """Liveness: the process answers and its store is open."""
-        return Health(status="ok", version=__version__, time=time.time())
+        return Health(status="ok", version=__version__, time=time.time(), leader=exchange.is_leader)
 
     @app.get("/docs", tags=["ops"], response_class=HTMLResponse, include_in_schema=False)
     async def docs() -> HTMLResponse:

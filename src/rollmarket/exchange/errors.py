@@ -22,6 +22,7 @@ STATUS_OF = {
     ErrorCode.worker_exists: 409,
     ErrorCode.lease_not_active: 409,
     ErrorCode.internal: 500,
+    ErrorCode.store_unavailable: 503,
 }
 
 

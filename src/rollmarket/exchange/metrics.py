@@ -44,8 +44,11 @@ class ExchangeMetrics:
                                     "Policy version the pool is aligned to (-1: none).", registry=r)
         self.published_version = Gauge("rollmarket_policy_published_version",
                                        "Latest published policy version (-1: none).", registry=r)
+        self.leader = Gauge("rollmarket_exchange_leader",
+                            "1 when this replica runs the singleton sweeps (the reaper), else 0.", registry=r)
 
-    def render(self, counts: dict[str, dict[str, int]], active: int | None, published: int | None) -> bytes:
+    def render(self, counts: dict[str, dict[str, int]], active: int | None, published: int | None,
+               *, leader: bool = True) -> bytes:
         for gauge, key in ((self.jobs, "jobs"), (self.workers, "workers"),
                            (self.groups_available, "groups"), (self.leases_state, "leases")):
             gauge.clear()
@@ -53,6 +56,7 @@ class ExchangeMetrics:
                 gauge.labels(label).set(value)
         self.active_version.set(-1 if active is None else active)
         self.published_version.set(-1 if published is None else published)
+        self.leader.set(1 if leader else 0)
         return generate_latest(self.registry)
 
     def names(self) -> list[str]:

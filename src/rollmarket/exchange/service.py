@@ -36,6 +36,7 @@ from ..contracts.wire import packb
 from ..gate import check_group, load_public_key, reasons_of
 from . import auth
 from .errors import ExchangeFault
+from .leader import Leadership, leadership_for
 from .metrics import ExchangeMetrics
 from .settings import ExchangeSettings
 from .store import FetchBatch, FetchFilter, ReapResult, Store, StoredGroup
@@ -48,13 +49,23 @@ _WAIT_FOR_WORK = {NoLeaseReason.queue_empty, NoLeaseReason.no_matching_jobs, NoL
 
 
 class Exchange:
-    """One exchange process. `start()` opens the store and starts the reaper."""
+    """One exchange process, possibly one of several replicas on a shared store.
 
-    def __init__(self, settings: ExchangeSettings, store: Store | None = None):
+    `start()` opens the store, starts contending for leadership and starts the reaper, which
+    sweeps only while this replica leads. Nothing a request depends on lives only in this
+    process: worker tokens missing from the cache are re-read from the store, and a waiting lease
+    request re-reads the store every `work_recheck_s` besides waking on this process's own events.
+    """
+
+    def __init__(self, settings: ExchangeSettings, store: Store | None = None,
+                 leadership: Leadership | None = None):
         self.settings = settings
         self.store = store or open_store(settings.db, settings)
+        self.leadership = leadership or leadership_for(settings.db, retry_s=settings.leader_retry_s)
         self.metrics = ExchangeMetrics()
         self._token_hashes: dict[str, str] = {}
+        self._token_reloads = 0
+        self._token_lock = asyncio.Lock()
         self._work = asyncio.Event()
         self._reaper: asyncio.Task | None = None
         self.store.on_batch = self.metrics.write_batch.observe
@@ -62,9 +73,12 @@ class Exchange:
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:
         self._work = asyncio.Event()
+        self._token_lock = asyncio.Lock()
         await self.store.open(self.settings.public_dict(), time.time())
         self._token_hashes = await self.store.worker_token_hashes()
-        await self.reap()  # leases that expired while we were down are re-queued at once
+        await self.leadership.start()
+        if self.leadership.is_leader:
+            await self.reap()  # leases that expired while we were down are re-queued at once
         self._reaper = asyncio.create_task(self._reap_forever(), name="rollmarket-reaper")
 
     async def stop(self) -> None:
@@ -72,7 +86,13 @@ class Exchange:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await self.leadership.stop()
         await self.store.close()
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this replica runs the singleton sweeps now."""
+        return self.leadership.is_leader
 
     def _notify_work(self) -> None:
         self._work.set()
@@ -91,23 +111,39 @@ class Exchange:
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.reaper_interval_s)
+            if not self.leadership.is_leader:
+                continue
             try:
                 await self.reap()
             except Exception:  # the reaper must outlive one bad sweep
                 log.exception("reaper sweep failed")
 
     # -- auth -----------------------------------------------------------------------------
-    def worker_of(self, authorization: str | None) -> str:
-        worker_id = auth.worker_from_token(auth.bearer(authorization), self._token_hashes)
+    async def _worker_from_token(self, token: str | None) -> str | None:
+        """The token's worker, re-reading the store's token hashes on a miss: the worker may
+        have registered through another replica. Misses at the same moment share one re-read."""
+        worker_id = auth.worker_from_token(token, self._token_hashes)
+        if worker_id is not None or token is None or auth.split_worker_token(token) is None:
+            return worker_id
+        seen = self._token_reloads  # re-reads begun so far
+        async with self._token_lock:
+            # Only a re-read begun after this miss is sure to see a registration that preceded it.
+            if self._token_reloads == seen:
+                self._token_reloads += 1
+                self._token_hashes = await self.store.worker_token_hashes()
+        return auth.worker_from_token(token, self._token_hashes)
+
+    async def worker_of(self, authorization: str | None) -> str:
+        worker_id = await self._worker_from_token(auth.bearer(authorization))
         if worker_id is None:
             raise auth.unauthorized("a worker bearer token is required")
         return worker_id
 
-    def require_trainer(self, authorization: str | None) -> None:
+    async def require_trainer(self, authorization: str | None) -> None:
         token = auth.bearer(authorization)
         if auth.is_trainer(token, self.settings.trainer_token):
             return
-        if auth.worker_from_token(token, self._token_hashes) is not None:
+        if await self._worker_from_token(token) is not None:
             raise auth.forbidden("this endpoint is for trainers; a worker token cannot use it")
         raise auth.unauthorized("the trainer bearer token is required")
 
@@ -152,8 +188,11 @@ class Exchange:
             if grant.lease is not None or grant.reason not in _WAIT_FOR_WORK or remaining <= 0:
                 self.metrics.leases.labels("granted" if grant.lease else grant.reason.value).inc()
                 return grant
+            # Work another replica adds raises no event here: re-read the store at least this often.
+            recheck = min(remaining, grant.retry_after_s or self.settings.work_recheck_s,
+                          self.settings.work_recheck_s)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(work.wait(), timeout=min(remaining, grant.retry_after_s or 0.5))
+                await asyncio.wait_for(work.wait(), timeout=recheck)
 
     async def submit(self, worker_id: str, group: SampleGroup, payload: bytes | None) -> SubmissionReceipt:
         self._same_worker(worker_id, group.worker_id, "the group")
@@ -272,4 +311,4 @@ class Exchange:
         pool = counts.get("pool", {})
         active, published = pool.get("active", -1), pool.get("published", -1)
         return self.metrics.render(counts, None if active < 0 else active,
-                                   None if published < 0 else published)
+                                   None if published < 0 else published, leader=self.is_leader)

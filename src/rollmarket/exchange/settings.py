@@ -35,6 +35,14 @@ class ExchangeSettings(BaseModel):
     reaper_interval_s: float = Field(
         default=1.0, gt=0, description="How often expired leases and silent workers are swept."
     )
+    leader_retry_s: float = Field(
+        default=1.0, gt=0,
+        description="PostgreSQL: how often a replica tries to become leader (and the leader checks its lock).",
+    )
+    work_recheck_s: float = Field(
+        default=0.5, gt=0,
+        description="How often a waiting lease request re-reads the store for work other replicas added.",
+    )
     max_attempts: int = Field(
         default=3, ge=1, description="Leases a job may use up before it is marked failed."
     )

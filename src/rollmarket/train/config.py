@@ -248,7 +248,8 @@ class LocalSection(_Section):
 
 
 class ExchangeSection(_Section):
-    url: str | None = Field(None, description="Exchange base URL; None with --local starts one in-process.")
+    url: str | None = Field(None, description="Exchange base URL (several replicas' URLs separated by commas fail "
+                                              "over); None with --local starts one in-process.")
     token_env: str = Field("ROLLMARKET_TRAINER_TOKEN", description="Environment variable holding the trainer token.")
     trainer_id: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$",

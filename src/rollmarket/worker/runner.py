@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 class WorkerSettings(BaseModel):
     """Settings of `rollmarket worker` (saved with its events)."""
 
-    exchange: str = Field("http://127.0.0.1:8470", description="Exchange base URL.")
+    exchange: str = Field("http://127.0.0.1:8470",
+                          description="Exchange base URL; several replicas' URLs separated by commas fail over.")
     exchange_wait_s: float = Field(
         300.0, ge=0, description="How long to wait for an exchange that does not answer (at start or "
                                  "later) before giving up.")

@@ -293,7 +293,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=16, help="Ingest workers.")
     parser.add_argument("--seconds", type=float, default=8.0, help="Measured seconds per ingest case.")
     parser.add_argument("--light-workers", type=int, default=1000, help="Light workers in the fairness load.")
-    parser.add_argument("--think-s", type=float, default=20.0, help="Each light worker's 'generation' time per lease.")
+    parser.add_argument("--think-s", type=float, default=5.0, help="Each light worker's 'generation' time per lease.")
     parser.add_argument("--fair-seconds", type=float, default=60.0, help="Measured seconds per fairness case.")
     parser.add_argument("--processes", type=int, default=4, help="Load-generator processes.")
     parser.add_argument("--cases", default="sqlite:1,postgres:1,postgres:2", help="store:replicas, comma-separated.")

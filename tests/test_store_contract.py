@@ -473,3 +473,22 @@ def test_feedback_and_rejections_are_kept_per_engine_fingerprint(store):
                     other: (pytest.approx(g_quality), 1, 1, 1, ["w3"])}
     by_worker = {w.worker_id: w.quality for w in market.workers}
     assert by_worker == {"w1": pytest.approx(0.6), "w2": pytest.approx(0.4), "w3": pytest.approx(0.8 * 0.6)}
+
+
+def test_a_jobs_fingerprint_rules_decide_who_may_lease_it(store):
+    # The rules are read from the job's body in SQL on both backends (behind a text pre-filter):
+    # each job below can go to exactly one of the two workers, whatever the queue order says.
+    published(store)
+    store.ready("w1")
+    store.ready("w2")
+    fp1, fp2 = sha("fp-w1"), sha("fp-w2")
+    jobs = [job(0, priority=9, required_fingerprints=[fp2]), job(1, priority=8, excluded_fingerprints=[fp2]),
+            job(2, priority=7, required_fingerprints=[fp1, sha("other")], excluded_fingerprints=[fp2])]
+    store.run(store.store.enqueue(jobs, T0))
+    first = store.lease("w1")
+    assert first.lease.job_id == jobs[1].job_id  # job 0 needs w2's fingerprint
+    second = store.lease("w2")
+    assert second.lease.job_id == jobs[0].job_id
+    store.ready("w3")
+    assert store.lease("w3").reason is NoLeaseReason.no_matching_jobs  # job 2 requires w1's or another
+    assert [e.data["job_id"] for e in store.audit("lease.issued")] == [jobs[1].job_id, jobs[0].job_id]

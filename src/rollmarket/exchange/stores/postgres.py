@@ -10,9 +10,9 @@ What keeps replicas correct lives in the database, not in a process: a job to le
 row a transaction goes on to change is read ``FOR UPDATE``; unique constraints refuse a second
 group for a lease or a group id and a second job for an idempotency key; a transaction that loses
 such a race (or a deadlock, or its connection before COMMIT) is run again from the start and then
-sees the winner's row (a resubmitted group gets the first receipt). Audit events take a transaction-level
-advisory lock first, so their sequence numbers are in commit order and `since_seq` paging never
-skips one. The schema is versioned SQL files in `migrations/postgres/`, applied in order at open
+sees the winner's row (a resubmitted group gets the first receipt). A transaction's audit events are
+inserted at its end under a transaction-level advisory lock, so their sequence numbers are in
+commit order and `since_seq` paging never skips one, while the rest of the call runs unserialized. The schema is versioned SQL files in `migrations/postgres/`, applied in order at open
 under a session advisory lock, so replicas that start together migrate once.
 """
 
@@ -89,6 +89,8 @@ class _Conn:
 
     def __init__(self, conn: psycopg.Connection):
         self._conn = conn
+        self.audit_rows: list[tuple] = []
+        """Audit events of this transaction, written just before its COMMIT (PostgresStore._audit)."""
 
     def execute(self, sql: str, params: Any = None) -> psycopg.Cursor:
         if params is None:
@@ -181,8 +183,19 @@ class PostgresStore(SqlStore):
 
     # -- plumbing -------------------------------------------------------------------------
     def _audit(self, conn: Any, now: float, kind: str, actor: str, subject: str, data: dict[str, Any]) -> None:
-        conn.execute("SELECT pg_advisory_xact_lock(?)", (AUDIT_LOCK,))
-        super()._audit(conn, now, kind, actor, subject, data)
+        # Held back to the end of the transaction (_flush_audit): the lock that orders audit seq by
+        # commit order is then held for the inserts and the COMMIT only, not for the whole call —
+        # taken mid-call it made every writing call on the database run one at a time.
+        conn.audit_rows.append((now, kind, actor, subject, dumps(data)))
+
+    @staticmethod
+    def _flush_audit(conn: _Conn) -> None:
+        if conn.audit_rows:
+            conn.execute("SELECT pg_advisory_xact_lock(?)", (AUDIT_LOCK,))
+            with conn._conn.cursor() as cursor:
+                cursor.executemany("INSERT INTO audit (at, kind, actor, subject, data) VALUES (%s, %s, %s, %s, %s)",
+                                   conn.audit_rows)
+            conn.audit_rows.clear()
 
     def _call(self, fn: Callable[[_Conn], T], *, write: bool) -> T:
         """Run `fn` (in a transaction when `write`), again when it lost a race or the server."""
@@ -196,10 +209,12 @@ class PostgresStore(SqlStore):
                         return fn(_Conn(conn))
                     refusal = None
                     with conn.transaction():
+                        wrapped = _Conn(conn)
                         try:
-                            result = fn(_Conn(conn))
+                            result = fn(wrapped)
                         except Refusal as kept:  # commit what it wrote, then refuse
                             refusal = kept
+                        self._flush_audit(wrapped)
                         committing = True
                     if self.on_batch is not None:
                         self.on_batch(1)  # one call, one transaction: every batch is of one

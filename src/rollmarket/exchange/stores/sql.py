@@ -344,8 +344,12 @@ class SqlStore(Store):
             " AND max_context <= :context AND (needs_experts = 0 OR :experts = 1)"
             f" AND (engines IS NULL OR {self._in_json_array(':engine', 'jobs.engines')})"
             # A job's fingerprint rules (dispatch.job_mismatch), read from its body: no column to migrate.
-            f" AND NOT {self._in_json_array(':fingerprint', excluded)}"
-            f" AND ({self._json_array_empty(required)} OR {self._in_json_array(':fingerprint', required)})"
+            # The LIKE is a cheap pre-filter (a JSON key with a non-empty list; quotes inside JSON
+            # strings are escaped, so no text matches it by accident, and one that did would only be
+            # checked exactly): parsing every queued job's body made a lease 100 ms on PostgreSQL.
+            " AND (jobs.body NOT LIKE :fingerprint_rules"
+            f"      OR (NOT {self._in_json_array(':fingerprint', excluded)}"
+            f"          AND ({self._json_array_empty(required)} OR {self._in_json_array(':fingerprint', required)})))"
         )
 
     async def lease(self, worker_id: str, now: float) -> LeaseGrant:
@@ -382,6 +386,7 @@ class SqlStore(Store):
                 "experts": int(manifest.returns_routed_experts),
                 "engine": manifest.engine_name,
                 "fingerprint": row["loaded_fingerprint"] or manifest.engine_fingerprint,
+                "fingerprint_rules": '%_fingerprints":["%',
             }
             order = f" ORDER BY priority DESC, queued_at, {self._ARRIVAL} LIMIT 1" + self._SKIP_LOCKED
             better_ids = rules.better_ranked(self._competitors(conn, policy), worker_id)

@@ -71,6 +71,7 @@ EXPECTED: tuple[Expected, ...] = (
     Expected("rollmarket.gate.integrity", "SigningKeyError", FAILURE),
     Expected("rollmarket.agents.model", "ModelCallError", FAILURE,
              "start the model server first (`rollmarket serve-model`) or fix --model-url"),
+    Expected("rollmarket.agents.probe", "ProbeError", FAILURE),
     Expected("rollmarket.verifiers.client", "ResourcesError", FAILURE,
              "start it (`rollmarket verifier serve`) or fix --resources-url"),
     Expected("rollmarket.research.squeeze", "BadRetention", USAGE),

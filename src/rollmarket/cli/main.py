@@ -68,6 +68,9 @@ COMMANDS: dict[str, LazyCommand] = {
     "pool": LazyCommand("rollmarket.cli.pool", "pool",
                         "Run rollout workers as Ray actors on an existing Ray cluster, restart those that die, "
                         "and scale while they run."),
+    "probe": LazyCommand("rollmarket.cli.probe", "probe",
+                         "Ask an OpenAI-compatible endpoint what it gives an RL user: token ids, logprobs, "
+                         "routed experts, seeds, tool calls, streaming."),
     "profile": LazyCommand("rollmarket.cli.profile", "profile",
                            "Profile ROLLOUTS (JSONL, one AgentTrajectory per line): per-task and global pass@k for "
                            "k in 1, 4, 16 (unbiased), majority@k, and the mean, median and std of the reward."),

@@ -4,8 +4,9 @@
 httpx for the extensions it would refuse to type) and says, per capability, yes / no / partial
 with the evidence it saw. The extensions are probed under the names the RL engines use: vLLM's
 ``return_token_ids`` (``prompt_token_ids`` on the response, ``token_ids`` on each choice) and
-``prompt_logprobs``; vLLM/SGLang's ``return_routed_experts`` (``routed_experts`` on the choice, a
-nested list or SGLang's base64). Our `serve-model` and the capture proxy answer the same names.
+``prompt_logprobs``; vLLM/SGLang's ``return_routed_experts`` (``routed_experts`` on the choice as
+a nested list, or SGLang's base64 in ``choices[i].sgl_ext.routed_experts``).
+Our `serve-model` and the capture proxy answer the same names.
 
 A server that answers at all is probed to the end: a refused extension is a "no", not an error.
 Only an endpoint that cannot be probed (unreachable, not OpenAI-compatible, refusing the key) is
@@ -270,9 +271,11 @@ def _routed_experts(p: _Prober, model: str) -> Capability:
     choice = _chat_choice(body)
     experts = choice.get("routed_experts", body.get("routed_experts"))
     tokens = (body.get("usage") or {}).get("completion_tokens")
-    if isinstance(experts, str) and experts:
-        return _cap("routed_experts", "yes", "routed_experts as an encoded string (SGLang base64)",
-                    routed_experts=experts)
+    sgl_ext = choice.get("sgl_ext")
+    sglang = sgl_ext.get("routed_experts") if isinstance(sgl_ext, dict) else None
+    if experts is None and isinstance(sglang, str) and sglang:
+        return _cap("routed_experts", "yes", "sgl_ext.routed_experts: SGLang's base64 int32 without a shape "
+                    "(the proxy unpacks it with --moe-shape)", routed_experts=sglang)
     if not isinstance(experts, list) or not experts:
         return _cap("routed_experts", "no", "return_routed_experts=true gave no routed_experts "
                     "(a dense model, or the server does not record routing)", value=experts)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dashboard_browser import dashboard_process
 from helpers import ServiceProcess, model_server, rollmarket_command
 from rollmarket.agents.probe import (
     CAPABILITIES,
@@ -142,7 +143,7 @@ def test_unreachable_not_openai_and_bad_key_are_typed_errors(workdir):
 
 
 def test_cli_json_out_and_exit_codes(stub, workdir):
-    out = workdir / "reports" / "stub.json"
+    out = workdir / "runs" / "probes" / "stub.json"
     done = subprocess.run(rollmarket_command("probe", stub.url, "--json", "--out", str(out)),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -155,3 +156,25 @@ def test_cli_json_out_and_exit_codes(stub, workdir):
                           capture_output=True, text=True, timeout=120)
     assert dead.returncode == 1
     assert dead.stderr.strip().startswith("error: ") and len(dead.stderr.strip().splitlines()) == 1
+
+
+def test_dashboard_shows_a_saved_report(stub, workdir):
+    """The report `rollmarket probe --out RUNS/probes/NAME.json` saved is /probe/NAME and its twin."""
+    runs = workdir / "dash"
+    saved = runs / "probes" / "stub.json"
+    done = subprocess.run(rollmarket_command("probe", stub.url, "--out", str(saved)), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    (runs / "probes" / "broken.json").write_text('{"url": "x"}')
+    with dashboard_process(runs, workdir / "dashboard.log") as url:
+        twin = httpx.get(f"{url}/probe/stub.json", timeout=30)
+        assert twin.status_code == 200
+        assert twin.json()["report"] == json.loads(saved.read_text())
+        html = httpx.get(f"{url}/probe/stub", timeout=30).text
+        for name, status in PLAIN_STUB.items():
+            assert f'data-capability="{name}" data-status="{status}"' in html
+        for name, status, reason in (("nothing", 404, "unknown_probe"), ("broken", 500, "unreadable_probe"),
+                                     ("..", 404, "unknown_probe")):
+            answer = httpx.get(f"{url}/probe/{name}.json", timeout=30)
+            assert answer.status_code == status and answer.json()["error"]["reasons"] == [reason], answer.text
+        assert httpx.get(f"{url}/probe/nothing", timeout=30).status_code == 404

@@ -19,7 +19,7 @@ _STYLE = {"yes": "green", "partial": "yellow", "no": "red"}
 @click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer key, if the server wants one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout instead of a table.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the report (JSON) to this file.")
+              help="Also write the report (JSON) to this file; RUNS/probes/NAME.json shows as the dashboard's /probe/NAME.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds to wait for each request.")
 def probe(url: str, model: str | None, api_key: str | None, as_json: bool, out: Path | None,

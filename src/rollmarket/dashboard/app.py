@@ -12,6 +12,7 @@
     /campaigns/<campaign_id>                    curves over seeds with 95% bands, runs, verdicts; ?metric=KEY…
     /questions                                  the research agenda's open questions, answered or open
     /market                                     the exchange's marketplace; ?run=<id>: a run's exchange.db
+    /probe/<name>                               a saved endpoint probe report (<runs>/probes/<name>.json)
     /healthz                                    liveness
 """
 
@@ -30,6 +31,7 @@ from .campaigns import Campaigns
 from .data import DashboardError, Runs, TrajectoryRef
 from .market import MarketSource, market_page
 from .metrics import metrics_page
+from .probes import probe_page
 from .pages import STATIC, Linker, Page, Renderer
 from .runs import RunIndex, index_page
 from .training import TrainingRuns, parse_after
@@ -155,6 +157,14 @@ def create_dashboard_app(runs_dir: Path, market: MarketSource | None = None) -> 
     @app.get("/market", response_class=HTMLResponse)
     def market_html(run: str | None = None) -> HTMLResponse:
         return html("market.html", market_page(market, runs.runs_dir, run), Page.market(run))
+
+    @app.get("/probe/{name}.json")
+    def probe_json(name: str) -> Response:
+        return _json(probe_page(runs.runs_dir, name))
+
+    @app.get("/probe/{name}", response_class=HTMLResponse)
+    def probe_html(name: str) -> HTMLResponse:
+        return html("probe.html", probe_page(runs.runs_dir, name), Page.probe(name))
 
     # The `.json` routes come first: `{run_id}` alone would match 'x.json' too.
     @app.get("/runs/{run_id}.json")

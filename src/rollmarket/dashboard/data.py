@@ -86,10 +86,14 @@ class Missing(str, Enum):
     """The exchange behind /market does not answer, or refuses the token (served as 502)."""
     unreadable_exchange_db = "unreadable_exchange_db"
     """The exchange database behind /market does not read (served as 502)."""
+    probe = "unknown_probe"
+    """/probe/<name> with no saved report <runs>/probes/<name>.json."""
+    unreadable_probe = "unreadable_probe"
+    """A saved probe report that does not parse as one (served as 500)."""
 
 
-STATUS = {Missing.bad_query: 400, Missing.unreadable_run: 500, Missing.exchange_unreachable: 502,
-          Missing.unreadable_exchange_db: 502}
+STATUS = {Missing.bad_query: 400, Missing.unreadable_run: 500, Missing.unreadable_probe: 500,
+          Missing.exchange_unreachable: 502, Missing.unreadable_exchange_db: 502}
 """The HTTP status of each reason; every other one is a 404."""
 
 

@@ -29,7 +29,7 @@ class Page:
 
     kind: str
     """index, run, trajectory, metrics, train, train-metrics, rollouts, rollouts_csv, generation, campaign,
-    questions, market, static, or raw (a server path as requested, for error pages)."""
+    questions, market, probe, static, or raw (a server path as requested, for error pages)."""
     run_id: str | None = None
     """The run's id; for a campaign page, the campaign's."""
     ref: TrajectoryRef | None = None
@@ -88,6 +88,11 @@ class Page:
         return cls("market", run_id=run_id)
 
     @classmethod
+    def probe(cls, name: str) -> Page:
+        """A saved endpoint probe report (`rollmarket probe --out RUNS/probes/NAME.json`)."""
+        return cls("probe", run_id=name)
+
+    @classmethod
     def static(cls, asset: str) -> Page:
         return cls("static", asset=asset)
 
@@ -117,6 +122,8 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
         return f"/train/{quote(page.run_id, safe='')}/rollouts/{page.row}{ext}"
     if page.kind == "market":
         return f"/market{ext}" + (f"?{urlencode({'run': page.run_id})}" if page.run_id else "")
+    if page.kind == "probe":
+        return f"/probe/{quote(page.run_id, safe='')}{ext}"
     if page.kind == "raw":
         return page.asset + ("" if not json_twin or page.asset.endswith(".json") else ".json")
     return f"/static/{page.asset}"
@@ -160,6 +167,8 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
         return f"train/{slug(page.run_id)}/rollouts{extra}.csv"
     if page.kind == "generation":
         return f"train/{slug(page.run_id)}/rollouts/{page.row}{ext}"
+    if page.kind == "probe":
+        return f"probe/{slug(page.run_id)}{ext}"
     return f"static/{page.asset}"
 
 

@@ -2,9 +2,10 @@
 
 It answers GET /v1/models and POST /v1/chat/completions (plain and streamed) with random words;
 it ignores seed, logprobs, tools and every extension field, has no /v1/completions, and with
---key refuses any other bearer key (401). So each "no" the probe reports against it is real.
+--key refuses any other bearer key (401). With --strict it refuses (400) any field beyond the
+plain chat fields, logprobs included, as a strict provider does. So each "no" is real.
 
-    python tests/probe_stub.py PORT [--key KEY]
+    python tests/probe_stub.py PORT [--key KEY] [--strict]
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 KEY = sys.argv[sys.argv.index("--key") + 1] if "--key" in sys.argv else None
+STRICT = "--strict" in sys.argv
+PLAIN_FIELDS = {"model", "messages", "max_tokens", "temperature", "seed", "stream", "tools", "tool_choice"}
 
 
 class Stub(BaseHTTPRequestHandler):
@@ -47,6 +50,10 @@ class Stub(BaseHTTPRequestHandler):
             self._send(404, {"error": {"message": f"no route {self.path}", "type": "invalid_request_error"}})
             return
         if not self._authorised():
+            return
+        unknown = sorted(set(body) - PLAIN_FIELDS)
+        if STRICT and unknown:
+            self._send(400, {"error": {"message": f"unknown fields {unknown}", "type": "invalid_request_error"}})
             return
         words = [random.choice(WORDS) for _ in range(6)]
         if not body.get("stream"):

@@ -122,6 +122,22 @@ def test_a_plain_server_gets_real_noes(stub):
     assert report.get("streaming").evidence["chunks"] == 6
 
 
+def test_a_strict_server_refuses_extensions_and_the_chat_still_counts(workdir):
+    """A server that 400s every field beyond plain chat: the refusals are the "no"s' evidence, and the
+    chat, the seed check and the stream are asked again without the refused fields."""
+    strict = _stub(workdir, "--strict")
+    try:
+        report = probe(strict.url)
+    finally:
+        strict.stop()
+    assert report.statuses() == PLAIN_STUB
+    assert "BadRequestError" in report.get("sampled_logprobs").evidence["error"]
+    for name in ("response_token_ids", "routed_experts"):
+        assert report.get(name).evidence["error"].startswith("HTTP 400"), name
+    assert report.get("streaming").evidence["refused"].startswith("HTTP 400")
+    assert "without logprobs" in report.get("chat").detail
+
+
 def test_unreachable_not_openai_and_bad_key_are_typed_errors(workdir):
     with pytest.raises(EndpointUnreachable):
         probe(f"http://127.0.0.1:{free_port()}")

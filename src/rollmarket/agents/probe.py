@@ -189,16 +189,27 @@ def _sampled(choice: dict) -> list[dict]:
 
 
 def _chat_capabilities(p: _Prober, model: str) -> list[Capability]:
-    """chat, sampled and top logprobs, seed, system fingerprint: from the official client."""
-    kwargs = dict(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED,
-                  logprobs=True, top_logprobs=TOP_LOGPROBS)
-    try:
-        first = p.client.chat.completions.create(**kwargs).model_dump()
-    except openai.APIError as exc:
-        fail = f"{type(exc).__name__}: {exc}"
-        return [_cap("chat", "no", "a seeded chat request with logprobs failed", error=fail),
-                *(_cap(n, "no", "the chat request failed", error=fail)
+    """chat, sampled and top logprobs, seed, system fingerprint: from the official client.
+
+    Asked with logprobs first; a server that refuses them is asked again without, so that the
+    chat itself is judged on its own."""
+    plain = dict(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED)
+    refusal = None
+    for kwargs in (dict(plain, logprobs=True, top_logprobs=TOP_LOGPROBS), plain):
+        try:
+            first = p.client.chat.completions.create(**kwargs).model_dump()
+            break
+        except openai.APIError as exc:
+            refusal = refusal or f"{type(exc).__name__}: {exc}"
+    else:
+        return [_cap("chat", "no", "a seeded chat request failed", error=refusal),
+                *(_cap(n, "no", "the chat request failed", error=refusal)
                   for n in ("sampled_logprobs", "top_logprobs", "seed_reproducible", "system_fingerprint"))]
+    if refusal:
+        return [_cap("chat", "yes", "POST /chat/completions answered once asked without logprobs",
+                     content=_chat_choice(first)["message"]["content"]),
+                *(_cap(n, "no", "logprobs=true was refused", error=refusal) for n in ("sampled_logprobs", "top_logprobs")),
+                *_seed_and_fingerprint(p, kwargs, first)]
     caps = [_cap("chat", "yes", "POST /chat/completions answered", content=_chat_choice(first)["message"]["content"])]
     entries = _sampled(_chat_choice(first))
     if entries and all(isinstance(e.get("logprob"), float | int) for e in entries):
@@ -216,13 +227,18 @@ def _chat_capabilities(p: _Prober, model: str) -> list[Capability]:
                          per_token=tops))
     else:
         caps.append(_cap("top_logprobs", "no", "no top_logprobs on the sampled tokens", per_token=tops))
+    return caps + _seed_and_fingerprint(p, kwargs, first)
+
+
+def _seed_and_fingerprint(p: _Prober, kwargs: dict, first: dict) -> list[Capability]:
+    """Ask `kwargs` (seeded) a second time and compare with `first`; read its system_fingerprint."""
+    caps = []
     try:
         second = p.client.chat.completions.create(**kwargs).model_dump()
     except openai.APIError as exc:
         caps.append(_cap("seed_reproducible", "no", "the second seeded call failed", error=str(exc)))
     else:
-        a = _seeded_sample(first)
-        b = _seeded_sample(second)
+        a, b = _seeded_sample(first), _seeded_sample(second)
         same = a == b
         caps.append(_cap("seed_reproducible", "yes" if same else "no",
                          f"two identical calls with seed={SEED} gave {'the same' if same else 'different'} samples",
@@ -329,16 +345,19 @@ def _tool_calls(p: _Prober, model: str) -> Capability:
 
 
 def _streaming(p: _Prober, model: str) -> Capability:
-    chunks, error = p.stream("/chat/completions", {
-        "model": model, "messages": PROMPT, "max_tokens": MAX_TOKENS, "logprobs": True,
-        "return_token_ids": True})
+    """A streamed chat asked for logprobs and token ids; asked plain if the server refuses those."""
+    plain = {"model": model, "messages": PROMPT, "max_tokens": MAX_TOKENS}
+    chunks, error = p.stream("/chat/completions", dict(plain, logprobs=True, return_token_ids=True))
+    refused = None
+    if error and error.startswith("HTTP 4"):
+        refused, (chunks, error) = error, p.stream("/chat/completions", plain)
     choices = [c for chunk in chunks for c in chunk.get("choices") or [] if isinstance(c, dict)]
     if error or not choices:
         return _cap("streaming", "no", "stream=true gave no chunks" if not error else "the stream failed",
-                    error=error, chunks=len(chunks))
+                    error=error, chunks=len(chunks), refused=refused)
     ids = [i for c in choices for i in (c.get("token_ids") or [])]
     logprobs = [e.get("logprob") for c in choices for e in _sampled(c)]
-    evidence = {"chunks": len(chunks), "token_ids": ids, "logprobs": logprobs}
+    evidence = {"chunks": len(chunks), "token_ids": ids, "logprobs": logprobs, "refused": refused}
     if ids and logprobs:
         return _cap("streaming", "yes", "the stream carries token ids and logprobs", **evidence)
     missing = " and ".join(n for n, v in (("token ids", ids), ("logprobs", logprobs)) if not v)

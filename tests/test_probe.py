@@ -19,6 +19,7 @@ import pytest
 
 from dashboard_browser import dashboard_process
 from helpers import ServiceProcess, model_server, rollmarket_command
+from rollmarket.dashboard import export_static
 from rollmarket.agents.probe import (
     CAPABILITIES,
     PROMPT,
@@ -194,3 +195,8 @@ def test_dashboard_shows_a_saved_report(stub, workdir):
             answer = httpx.get(f"{url}/probe/{name}.json", timeout=30)
             assert answer.status_code == status and answer.json()["error"]["reasons"] == [reason], answer.text
         assert httpx.get(f"{url}/probe/nothing", timeout=30).status_code == 404
+    site = workdir / "site"
+    export_static(runs, site)
+    assert json.loads((site / "probe" / "stub.json").read_text())["report"] == json.loads(saved.read_text())
+    assert 'data-capability="streaming" data-status="partial"' in (site / "probe" / "stub.html").read_text()
+    assert not (site / "probe" / "broken.html").exists()

@@ -11,6 +11,7 @@ from .campaigns import Campaigns
 from .data import DashboardError, Runs, TrajectoryRef
 from .market import MarketPage, db_report
 from .metrics import metrics_page
+from .probes import probe_page, saved_probes
 from .pages import STATIC, Linker, Page, Renderer, file_path
 from .runs import RunIndex, RunKind, index_page
 from .training import TrainingRuns
@@ -54,6 +55,11 @@ def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = N
         try:
             campaign_pages.append((Page.campaign(campaign_id), "campaign.html", campaigns.page(campaign_id)))
         except DashboardError:  # an unreadable campaign.json: the index lists it with its error, as the server does
+            continue
+    for name in saved_probes(runs_dir):
+        try:
+            pages.append((Page.probe(name), "probe.html", probe_page(runs_dir, name)))
+        except DashboardError:  # not a probe report: the server answers it as unreadable_probe
             continue
     if exchange_db is not None:
         market = MarketPage(source="db", where=str(exchange_db), refresh_s=0, report=db_report(exchange_db))

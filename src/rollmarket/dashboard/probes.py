@@ -28,6 +28,12 @@ class ProbePage(Record):
     report: ProbeReport
 
 
+def saved_probes(runs_dir: Path) -> list[str]:
+    """The names of the reports saved under `<runs_dir>/probes/`, sorted."""
+    folder = Path(runs_dir) / PROBES_DIR
+    return sorted(f.stem for f in folder.glob("*.json") if NAME.fullmatch(f.stem)) if folder.is_dir() else []
+
+
 def probe_page(runs_dir: Path, name: str) -> ProbePage:
     """The saved report `<runs_dir>/probes/<name>.json`; a DashboardError when there is none or it
     does not read as a ProbeReport."""

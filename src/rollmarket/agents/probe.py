@@ -177,7 +177,7 @@ def _cap(name: str, status: Status, detail: str, **evidence: Any) -> Capability:
                       evidence={k: _short(v) for k, v in evidence.items()})
 
 
-def _chat_choice(body: dict | None) -> dict:
+def _first_choice(body: dict | None) -> dict:
     choices = (body or {}).get("choices") or [{}]
     return choices[0] if isinstance(choices[0], dict) else {}
 
@@ -206,18 +206,17 @@ def _chat_capabilities(p: _Prober, model: str) -> list[Capability]:
                 *(_cap(n, "no", "the chat request failed", error=refusal)
                   for n in ("sampled_logprobs", "top_logprobs", "seed_reproducible", "system_fingerprint"))]
     if refusal:
-        return [_cap("chat", "yes", "POST /chat/completions answered once asked without logprobs",
-                     content=_chat_choice(first)["message"]["content"]),
+        return [_chat_cap(first, " once asked without logprobs"),
                 *(_cap(n, "no", "logprobs=true was refused", error=refusal) for n in ("sampled_logprobs", "top_logprobs")),
                 *_seed_and_fingerprint(p, kwargs, first)]
-    caps = [_cap("chat", "yes", "POST /chat/completions answered", content=_chat_choice(first)["message"]["content"])]
-    entries = _sampled(_chat_choice(first))
+    caps = [_chat_cap(first)]
+    entries = _sampled(_first_choice(first))
     if entries and all(isinstance(e.get("logprob"), float | int) for e in entries):
         caps.append(_cap("sampled_logprobs", "yes", f"{len(entries)} sampled tokens with a logprob",
                          logprobs=[e["logprob"] for e in entries]))
     else:
         caps.append(_cap("sampled_logprobs", "no", "logprobs=true gave no logprobs.content",
-                         logprobs=_chat_choice(first).get("logprobs")))
+                         logprobs=_first_choice(first).get("logprobs")))
     tops = [len(e.get("top_logprobs") or []) for e in entries]
     if tops and all(n == TOP_LOGPROBS for n in tops):
         caps.append(_cap("top_logprobs", "yes", f"top_logprobs={TOP_LOGPROBS} gave {TOP_LOGPROBS} per token",
@@ -252,8 +251,21 @@ def _seed_and_fingerprint(p: _Prober, kwargs: dict, first: dict) -> list[Capabil
 
 def _seeded_sample(body: dict) -> list:
     """A sample's tokens where the answer has them (exact), else its text."""
-    entries = _sampled(_chat_choice(body))
-    return [e.get("token") for e in entries] if entries else [_chat_choice(body)["message"]["content"]]
+    entries = _sampled(_first_choice(body))
+    return [e.get("token") for e in entries] if entries else [_content(body)]
+
+
+def _content(body: dict) -> Any:
+    """The first choice's message content (None where the answer has none)."""
+    message = _first_choice(body).get("message")
+    return message.get("content") if isinstance(message, dict) else None
+
+
+def _chat_cap(body: dict, how: str = "") -> Capability:
+    if isinstance(_first_choice(body).get("message"), dict):
+        return _cap("chat", "yes", f"POST /chat/completions answered{how}", content=_content(body))
+    return _cap("chat", "partial", f"POST /chat/completions answered 200{how} but with no choice message",
+                body=str(body)[:200])
 
 
 def _token_id_capabilities(p: _Prober, model: str) -> list[Capability]:
@@ -263,7 +275,7 @@ def _token_id_capabilities(p: _Prober, model: str) -> list[Capability]:
     if body is None:
         return [_cap(n, "no", "return_token_ids was refused", error=error)
                 for n in ("prompt_token_ids", "response_token_ids")]
-    choice = _chat_choice(body)
+    choice = _first_choice(body)
     prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
     ids = choice.get("token_ids")
     usage = body.get("usage") or {}
@@ -284,7 +296,7 @@ def _routed_experts(p: _Prober, model: str) -> Capability:
                                                "return_routed_experts": True})
     if body is None:
         return _cap("routed_experts", "no", "return_routed_experts was refused", error=error)
-    choice = _chat_choice(body)
+    choice = _first_choice(body)
     experts = choice.get("routed_experts", body.get("routed_experts"))
     tokens = (body.get("usage") or {}).get("completion_tokens")
     sgl_ext = choice.get("sgl_ext")
@@ -310,7 +322,7 @@ def _prompt_logprobs(p: _Prober, model: str) -> Capability:
                                           "prompt_logprobs": 1})
     if body is None:
         return _cap("prompt_logprobs", "no", "prompt_logprobs=1 was refused", error=error)
-    found = _chat_choice(body).get("prompt_logprobs", body.get("prompt_logprobs"))
+    found = _first_choice(body).get("prompt_logprobs", body.get("prompt_logprobs"))
     if isinstance(found, list) and any(found):
         return _cap("prompt_logprobs", "yes", f"logprobs for {len(found)} prompt positions (prompt_logprobs)",
                     prompt_logprobs=found)
@@ -323,7 +335,11 @@ def _completions(p: _Prober, model: str) -> Capability:
                                            logprobs=1).model_dump()
     except openai.APIError as exc:
         return _cap("completions", "no", "POST /completions failed", error=f"{type(exc).__name__}: {exc}")
-    return _cap("completions", "yes", "POST /completions answered", text=body["choices"][0]["text"])
+    text = _first_choice(body).get("text")
+    if isinstance(text, str):
+        return _cap("completions", "yes", "POST /completions answered", text=text)
+    return _cap("completions", "partial", "POST /completions answered 200 but with no choice text",
+                body=str(body)[:200])
 
 
 def _tool_calls(p: _Prober, model: str) -> Capability:
@@ -335,7 +351,7 @@ def _tool_calls(p: _Prober, model: str) -> Capability:
     except openai.APIError as exc:
         return _cap("tool_calls", "no", "a request with tools and a named tool_choice was refused",
                     error=f"{type(exc).__name__}: {exc}")
-    message = _chat_choice(body).get("message") or {}
+    message = _first_choice(body).get("message") or {}
     calls = message.get("tool_calls")
     if calls:
         return _cap("tool_calls", "yes", "the named tool_choice gave a tool call", tool_calls=calls)

@@ -26,6 +26,7 @@ from rollmarket.agents.probe import (
     AuthRejected,
     EndpointUnreachable,
     NotOpenAICompatible,
+    UnknownModel,
     probe,
 )
 from rollmarket.localhost import free_port
@@ -155,6 +156,8 @@ def test_unreachable_not_openai_and_bad_key_are_typed_errors(workdir):
         with pytest.raises(AuthRejected):
             probe(keyed.url, api_key="wrong")
         assert probe(keyed.url, api_key="sesame").get("chat").status == "yes"
+        with pytest.raises(UnknownModel):
+            probe(keyed.url, api_key="sesame", model="gpt-9")
     finally:
         keyed.stop()
 

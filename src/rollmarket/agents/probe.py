@@ -63,6 +63,12 @@ class AuthRejected(ProbeError):
     fix = "pass the server's key with --api-key (or OPENAI_API_KEY)"
 
 
+class UnknownModel(ProbeError):
+    """--model names a model that `GET /models` does not list."""
+
+    fix = "pick one of the models the server lists (leave --model out for the first)"
+
+
 class Capability(BaseModel):
     """One capability's verdict and what showed it."""
 
@@ -384,7 +390,7 @@ def probe(url: str, *, model: str | None = None, api_key: str | None = None, tim
     """Probe the OpenAI-compatible endpoint at `url` (its base, with or without /v1).
 
     `model` defaults to the first model `GET /models` lists. Raises EndpointUnreachable,
-    NotOpenAICompatible or AuthRejected when the endpoint cannot be probed at all; every
+    NotOpenAICompatible, AuthRejected or UnknownModel when the endpoint cannot be probed at all; every
     answer after that, refusals included, becomes a capability's verdict.
     """
     p = _Prober(url, api_key, timeout)
@@ -394,6 +400,8 @@ def probe(url: str, *, model: str | None = None, api_key: str | None = None, tim
             if not models:
                 raise NotOpenAICompatible(f"{p.base}/models lists no model; name one with --model")
             model = models[0]
+        elif model not in models:
+            raise UnknownModel(f"{p.base} serves {', '.join(models) or 'no model'}, not {model!r}")
         caps = [*_chat_capabilities(p, model), _completions(p, model), *_token_id_capabilities(p, model),
                 _routed_experts(p, model), _prompt_logprobs(p, model), _tool_calls(p, model), _streaming(p, model)]
     finally:

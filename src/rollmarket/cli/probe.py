@@ -29,7 +29,7 @@ def probe(url: str, model: str | None, api_key: str | None, as_json: bool, out: 
     URL is the server's base (http://HOST:PORT or http://HOST:PORT/v1). A few small real requests
     are sent; each capability is yes, no or partial with the evidence seen. The exit code is 0
     whenever the endpoint could be probed, whatever it answered; 1 when it is unreachable, not
-    OpenAI-compatible or refuses the key.
+    OpenAI-compatible, refuses the key or does not serve --model.
     """
     from ..agents.probe import probe as run_probe
 

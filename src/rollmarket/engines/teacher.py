@@ -6,6 +6,7 @@ matrix never exists whole: at 16k tokens and a 150k vocabulary that matrix alone
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from .fingerprint import canonical_pairs, fingerprint_from_logprobs
 from .loading import LoadedModel, load_model
 from .precision import Precision
-from .routing import RouterCapture
+from .routing import RouterCapture, RouterReplay, replay_positions
 
 CPU_CHUNK = 1024
 CUDA_CHUNK = 4096
@@ -124,15 +125,28 @@ class TrainerEngine:
         return fingerprint_from_logprobs([tf.logprobs_T for tf in self.score_batch(pairs)])
 
     @torch.no_grad()
-    def score(self, prompt_ids_P, response_ids_T, *, temperature: float = 1.0) -> TeacherForced:
-        return self.score_batch([(prompt_ids_P, response_ids_T)], temperature=temperature)[0]
+    def score(self, prompt_ids_P, response_ids_T, *, temperature: float = 1.0,
+              replayed_experts_TLK: np.ndarray | None = None) -> TeacherForced:
+        replay = None if replayed_experts_TLK is None else [replayed_experts_TLK]
+        return self.score_batch([(prompt_ids_P, response_ids_T)], temperature=temperature,
+                                replayed_experts=replay)[0]
 
     @torch.no_grad()
-    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0) -> list[TeacherForced]:
+    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0,
+                    replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
+        """Teacher-force each (prompt, response) pair.
+
+        ``replayed_experts`` (router replay, R3): per pair, the rollout engine's ``[T, moe_layers,
+        top_k]`` experts of its response tokens (None: the trainer routes that pair itself); the
+        MoE layers then route those tokens to them (``RouterReplay``), and the returned experts
+        are the ones the forward used.
+        """
+        if replayed_experts is not None and len(replayed_experts) != len(pairs):
+            raise ValueError(f"{len(replayed_experts)} replayed expert arrays for {len(pairs)} pairs")
         out: list[TeacherForced] = []
-        batch: list[tuple[np.ndarray, np.ndarray]] = []
+        batch: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
         longest = 0
-        for prompt, response in pairs:
+        for i, (prompt, response) in enumerate(pairs):
             prompt_P = np.asarray(prompt, dtype=np.int64)
             response_T = np.asarray(response, dtype=np.int64)
             if prompt_P.size == 0:
@@ -144,20 +158,20 @@ class TrainerEngine:
             if batch and max(longest, length) * (len(batch) + 1) > self.max_batch_tokens:
                 out.extend(self._forward(batch, temperature))
                 batch, longest = [], 0
-            batch.append((prompt_P, response_T))
+            batch.append((prompt_P, response_T, None if replayed_experts is None else replayed_experts[i]))
             longest = max(longest, length)
         if batch:
             out.extend(self._forward(batch, temperature))
         return out
 
-    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray]], temperature: float
-                 ) -> list[TeacherForced]:
+    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+                 temperature: float) -> list[TeacherForced]:
         device = self.loaded.device
-        lengths = [p.size + r.size for p, r in batch]
+        lengths = [p.size + r.size for p, r, _ in batch]
         B, S = len(batch), max(lengths)
         ids_BS = torch.zeros(B, S, dtype=torch.long)
         mask_BS = torch.zeros(B, S, dtype=torch.long)
-        for b, (p, r) in enumerate(batch):
+        for b, (p, r, _) in enumerate(batch):
             ids_BS[b, : lengths[b]] = torch.from_numpy(np.concatenate([p, r]))
             mask_BS[b, : lengths[b]] = 1
         ids_BS = ids_BS.to(device)
@@ -165,13 +179,19 @@ class TrainerEngine:
         # the GPU); no KV cache is kept (it would hold K and V of every layer for nothing).
         mask_BS = mask_BS.to(device) if min(lengths) < S else None
         capture = RouterCapture(self.loaded.model, self.loaded.info.top_k or 1)
-        with capture:
+        replay = contextlib.nullcontext()
+        if any(e is not None for _, _, e in batch):
+            top_k = self.loaded.info.top_k or 1
+            replay = RouterReplay(self.loaded.model, replay_positions(
+                [(p.size, e) for p, _, e in batch], S, len(capture.routers), top_k))
+        # Replay first, so the capture (registered after it) records the experts actually used.
+        with replay, capture:
             hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS,
                                    use_cache=False).last_hidden_state
         experts_BSLK = capture.take(B, S) if capture.active else None
         # Position i predicts token i+1: the response's scores sit at P-1 .. P+T-2.
         rows, targets = [], []
-        for b, (p, r) in enumerate(batch):
+        for b, (p, r, _) in enumerate(batch):
             P, T = p.size, r.size
             rows.append(hidden_BSH[b, P - 1: P - 1 + T])
             targets.append(ids_BS[b, P: P + T])
@@ -180,7 +200,7 @@ class TrainerEngine:
         logprobs_N = logprobs_N.cpu().numpy().astype(np.float32)
         entropies_N = entropies_N.cpu().numpy().astype(np.float32)
         out, offset = [], 0
-        for b, (p, r) in enumerate(batch):
+        for b, (p, r, _) in enumerate(batch):
             P, T = p.size, r.size
             experts = None
             if experts_BSLK is not None:

@@ -50,6 +50,9 @@ class Learner:
         # Full fine-tuning resumes from the checkpoint's weights; LoRA from the base plus its adapters.
         start = resume_from if resume_from is not None and not config.lora.enabled else self.base_path
         self.loaded: LoadedModel = load_model(start, "fp32", config.model.device)
+        if config.trainer.router_replay and not self.loaded.info.is_moe:
+            raise TrainConfigError(f"trainer.router_replay needs an MoE model; {config.model.path} is dense",
+                                   fix="set trainer.router_replay = false")
         self.reference = None
         if config.algorithm.kl_coef > 0:  # the starting policy, frozen
             base = self.loaded.model if start == self.base_path else load_model(self.base_path, "fp32",

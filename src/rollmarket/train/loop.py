@@ -321,7 +321,8 @@ class Trainer:
                 job_id=key, idempotency_key=key, task=task, policy_version=version, group_size=r.group_size,
                 sampling_config=SamplingConfig(temperature=r.temperature, max_tokens=r.max_tokens, seed=seed),
                 required_precision=precision, required_quantization=Precision(precision).quantization,
-                max_context_tokens=self.learner.loaded.info.max_context_tokens))
+                max_context_tokens=self.learner.loaded.info.max_context_tokens,
+                requires_routed_experts=self.config.trainer.router_replay))
         return jobs
 
     def _enqueue(self, step: int) -> None:

@@ -42,7 +42,8 @@ class ExpertInputs:
     """Records, per MoE layer, the (top-k ids, top-k weights) each ``mlp.experts`` module receives."""
 
     def __init__(self, model: torch.nn.Module):
-        self.blocks = [layer.mlp for layer in model.model.layers]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft (LoRA)
+        self.blocks = [layer.mlp for layer in base.model.layers]
         self.calls: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.blocks]
         self.handles = []
 
@@ -181,12 +182,15 @@ def test_bad_replay_input_is_refused(trainer, samples):
                                   trainer.score(prompt, response).logprobs_T)
 
 
-def test_learner_step_with_router_replay():
+@pytest.mark.parametrize("lora", [False, True])
+def test_learner_step_with_router_replay(lora):
     """``trainer.router_replay`` is a saved setting; a GRPO step on datums carrying routed experts
-    runs every forward (π_old and the update) through them, and the routers still learn."""
+    runs every forward (π_old and the update) through them, and in full fine-tuning the routers
+    still learn. With LoRA (peft wraps the model) the routers are found all the same."""
     from rollmarket.train.learner import Learner
 
-    args = [f"model.path={json.dumps(str(MODEL))}", "algorithm.updates_per_batch=1", "optim.lr=1e-2"]
+    args = [f"model.path={json.dumps(str(MODEL))}", "algorithm.updates_per_batch=1", "optim.lr=1e-2",
+            f"lora.enabled={str(lora).lower()}"]
     assert resolve(None, args).trainer.router_replay is False
     cfg = resolve(None, [*args, "trainer.router_replay=true"])
     saved = cfg.model_dump(mode="json")
@@ -218,5 +222,15 @@ def test_learner_step_with_router_replay():
         used_BSLK = used.indices_NLK(call).reshape(len(pairs), S, len(routers), -1)
         for b, (P, other_TLK) in enumerate(expected):
             np.testing.assert_array_equal(used_BSLK[b, P - 1:P - 1 + len(other_TLK)], other_TLK)
+    assert len(routers) == learner.loaded.info.num_moe_layers > 0
     for r, w in zip(routers, before):
-        assert not torch.equal(r.weight.detach(), w)
+        assert torch.equal(r.weight.detach(), w) is lora  # LoRA leaves the MoE block alone
+
+
+def test_router_replay_needs_an_moe_model():
+    from rollmarket.train.config import TrainConfigError
+    from rollmarket.train.learner import Learner
+
+    with pytest.raises(TrainConfigError, match="needs an MoE model"):
+        Learner(resolve(None, [f"model.path={json.dumps(str(MODEL.parent / 'tiny-dense'))}",
+                               "trainer.router_replay=true"]))

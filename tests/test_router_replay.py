@@ -172,6 +172,9 @@ def test_bad_replay_input_is_refused(trainer, samples):
         trainer.score(prompt, response, replayed_experts_TLK=np.zeros((response.size, L + 1, K), np.int16))
     with pytest.raises(ValueError, match="must lie in"):
         trainer.score(prompt, response, replayed_experts_TLK=np.full((response.size, L, K), E, np.int16))
+    twice = np.zeros((response.size, L, K), np.int16)  # expert 0 at both top-k slots
+    with pytest.raises(ValueError, match="twice"):
+        trainer.score(prompt, response, replayed_experts_TLK=twice)
     with pytest.raises(ValueError, match="pairs"):
         trainer.score_batch([(prompt, response)], replayed_experts=[])
     with pytest.raises(ValueError, match="no routed layers"):
@@ -223,6 +226,14 @@ def test_learner_step_with_router_replay(lora):
         for b, (P, other_TLK) in enumerate(expected):
             np.testing.assert_array_equal(used_BSLK[b, P - 1:P - 1 + len(other_TLK)], other_TLK)
     assert len(routers) == learner.loaded.info.num_moe_layers > 0
+    # A worker's array that does not fit the model is not replayed (the trainer routes it itself).
+    E = routers[0].weight.shape[0]
+    produced = np.ones(len(pairs[0][1]), np.float32)
+    good = scored[0].routed_experts_TLK
+    assert learner.replay_input(np.full_like(good, E), produced) is None
+    assert learner.replay_input(good[:, :1], produced) is None
+    assert learner.replay_input(None, produced) is None
+    np.testing.assert_array_equal(learner.replay_input(good, produced), good)
     for r, w in zip(routers, before):
         assert torch.equal(r.weight.detach(), w) is lora  # LoRA leaves the MoE block alone
 

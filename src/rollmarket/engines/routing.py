@@ -99,16 +99,9 @@ class RouterReplay:
         self.routers = moe_routers(model)
         if not self.routers:
             raise ValueError("router replay needs an MoE model; this one has no routed layers")
-        for router in self.routers:
-            if not hasattr(router, "top_k") or not hasattr(router, "weight"):
-                raise TypeError(f"router replay needs a top-k router module, not {type(router).__name__}")
-        layers, top_k = len(self.routers), self.routers[0].top_k
-        if experts_NLK.ndim != 3 or tuple(experts_NLK.shape[1:]) != (layers, top_k):
-            raise ValueError(f"replayed experts must be [positions, {layers} layers, top-k {top_k}], "
-                             f"not {list(experts_NLK.shape)}")
-        num_experts = self.routers[0].weight.shape[0]
-        if bool(((experts_NLK < OWN_ROUTING) | (experts_NLK >= num_experts)).any()):
-            raise ValueError(f"replayed expert ids must lie in [0, {num_experts}) (or {OWN_ROUTING})")
+        problem = replay_problem(experts_NLK, self.routers)
+        if problem is not None:
+            raise ValueError(problem)
         self.experts_NLK = experts_NLK.to(torch.long)
         self._handles: list = []
 
@@ -125,6 +118,26 @@ class RouterReplay:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def replay_problem(experts_XLK: torch.Tensor | np.ndarray, routers: list[torch.nn.Module]) -> str | None:
+    """Why these experts cannot be replayed through ``routers`` (``moe_routers(model)``), or None:
+    not ``[positions, layers, top_k]``, an id outside ``[0, num_experts)`` other than
+    ``OWN_ROUTING``, or one expert twice in a row. Raises TypeError for a router replay cannot drive."""
+    for router in routers:
+        if not hasattr(router, "top_k") or not hasattr(router, "weight"):
+            raise TypeError(f"router replay needs a top-k router module, not {type(router).__name__}")
+    experts_XLK = torch.as_tensor(experts_XLK)
+    layers, top_k, num_experts = len(routers), routers[0].top_k, routers[0].weight.shape[0]
+    if experts_XLK.ndim != 3 or tuple(experts_XLK.shape[1:]) != (layers, top_k):
+        return (f"replayed experts must be [positions, {layers} layers, top-k {top_k}], "
+                f"not {list(experts_XLK.shape)}")
+    if bool(((experts_XLK < OWN_ROUTING) | (experts_XLK >= num_experts)).any()):
+        return f"replayed expert ids must lie in [0, {num_experts}) (or {OWN_ROUTING})"
+    ordered_XLK = experts_XLK.sort(-1).values
+    if bool(((ordered_XLK[..., 1:] == ordered_XLK[..., :-1]) & (ordered_XLK[..., 1:] != OWN_ROUTING)).any()):
+        return "replayed experts name one expert twice at one position and layer"
+    return None
 
 
 def _replay_hook(replayed_NK: torch.Tensor, own_N: torch.Tensor):

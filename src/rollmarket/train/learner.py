@@ -21,7 +21,7 @@ import torch
 from ..engines import TrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
-from ..engines.routing import RouterReplay
+from ..engines.routing import RouterReplay, moe_routers, replay_problem, replayable
 from ..engines.teacher import TeacherForced
 from ..observatory.dense import dense_summary
 from ..observatory.offpolicy import FIGURE_NAMES, flatten_padded, offpolicy_figures
@@ -90,6 +90,15 @@ class Learner:
         through ``replayed_experts`` where given (router replay)."""
         self.model.eval()
         return self.engine.score_batch(pairs, temperature=temperature, replayed_experts=replayed_experts)
+
+    def replay_input(self, experts_TLK: np.ndarray | None, produced_T: np.ndarray) -> np.ndarray | None:
+        """A trajectory's routed experts as router replay uses them (``OWN_ROUTING`` on tokens the
+        policy did not produce); None, so the trainer routes it itself, when there are none or they
+        do not fit this model (a worker's bad array must not stop the step)."""
+        experts_TLK = replayable(experts_TLK, produced_T)
+        if experts_TLK is None or replay_problem(experts_TLK, moe_routers(self.model)) is not None:
+            return None
+        return experts_TLK
 
     # -- one optimizer step ---------------------------------------------------------------------------
 

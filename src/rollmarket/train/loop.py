@@ -57,7 +57,6 @@ from ..contracts import (DecisionStatus, GroupDecision, PolicyManifest, RolloutJ
                          Trajectory)
 from ..engines.precision import Precision
 from ..engines.provenance import checkpoint_digest
-from ..engines.routing import replayable
 from ..engines.teacher import TeacherForced
 from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
@@ -332,13 +331,17 @@ class Trainer:
 
     # -- one group ----------------------------------------------------------------------------------
 
+    def _replay_input(self, trajectory: Trajectory) -> np.ndarray | None:
+        """What router replay routes this trajectory through (trainer.router_replay)."""
+        return self.learner.replay_input(trajectory.routed_experts, valid_token_mask(trajectory))
+
     def _judge(self, fetched, step: int, out: StepGroups) -> None:
         """Teacher-force a group, let the gate decide, and keep the decision in the step's outbox."""
         cfg = self.config
         group = fetched.group
         trajectories = group.trajectories
         t0 = time.perf_counter()
-        replay = [replayed_experts(t) for t in trajectories] if cfg.trainer.router_replay else None
+        replay = [self._replay_input(t) for t in trajectories] if cfg.trainer.router_replay else None
         scored = self.learner.score([(t.prompt_token_ids, t.response_token_ids) for t in trajectories],
                                     cfg.rollout.temperature, replayed_experts=replay)
         self.timing["score"] += time.perf_counter() - t0
@@ -413,7 +416,7 @@ class Trainer:
                 out.data.append(Datum(t.prompt_token_ids, t.response_token_ids, t.logprobs,
                                       mask_T.astype(np.float32), advantage=adv, corrected=j.corrected,
                                       old_logprobs_T=s.logprobs_T,
-                                      routed_experts_TLK=replayed_experts(t) if cfg.trainer.router_replay else None))
+                                      routed_experts_TLK=self._replay_input(t) if cfg.trainer.router_replay else None))
                 out.advantages.append(adv)
                 out.tokens_used += int(mask_T.sum())
 
@@ -722,8 +725,3 @@ def resume_config(run_dir: Path, overrides: list[str] = ()) -> TrainConfig:
     """The saved config of a run, with overrides (e.g. loop.steps=40 to go further)."""
     saved = json.loads((run_dir / "config.json").read_text())
     return resolve(None, list(overrides), base=saved["config"])
-
-
-def replayed_experts(trajectory: Trajectory) -> np.ndarray | None:
-    """Router replay input of a trajectory: the rollout's experts on the tokens the policy produced."""
-    return replayable(trajectory.routed_experts, valid_token_mask(trajectory))

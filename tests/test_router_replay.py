@@ -175,6 +175,8 @@ def test_bad_replay_input_is_refused(trainer, samples):
     twice = np.zeros((response.size, L, K), np.int16)  # expert 0 at both top-k slots
     with pytest.raises(ValueError, match="twice"):
         trainer.score(prompt, response, replayed_experts_TLK=twice)
+    with pytest.raises(ValueError, match="rows of replayed experts"):
+        trainer.score(prompt, response, replayed_experts_TLK=np.zeros((response.size - 1, L, K), np.int16))
     with pytest.raises(ValueError, match="pairs"):
         trainer.score_batch([(prompt, response)], replayed_experts=[])
     with pytest.raises(ValueError, match="no routed layers"):

@@ -158,7 +158,10 @@ class TrainerEngine:
             if batch and max(longest, length) * (len(batch) + 1) > self.max_batch_tokens:
                 out.extend(self._forward(batch, temperature))
                 batch, longest = [], 0
-            batch.append((prompt_P, response_T, None if replayed_experts is None else replayed_experts[i]))
+            replay = None if replayed_experts is None else replayed_experts[i]
+            if replay is not None and len(replay) != response_T.size:
+                raise ValueError(f"{len(replay)} rows of replayed experts for {response_T.size} response tokens")
+            batch.append((prompt_P, response_T, replay))
             longest = max(longest, length)
         if batch:
             out.extend(self._forward(batch, temperature))

@@ -144,37 +144,39 @@ class TrainerEngine:
         if replayed_experts is not None and len(replayed_experts) != len(pairs):
             raise ValueError(f"{len(replayed_experts)} replayed expert arrays for {len(pairs)} pairs")
         out: list[TeacherForced] = []
-        batch: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = []
+        batch: list[tuple[np.ndarray, np.ndarray]] = []
+        replays: list[np.ndarray | None] = []
         longest = 0
         for i, (prompt, response) in enumerate(pairs):
             prompt_P = np.asarray(prompt, dtype=np.int64)
             response_T = np.asarray(response, dtype=np.int64)
             if prompt_P.size == 0:
                 raise ValueError("teacher forcing needs at least one prompt token")
+            replay = None if replayed_experts is None else replayed_experts[i]
+            if replay is not None and len(replay) != response_T.size:
+                raise ValueError(f"{len(replay)} rows of replayed experts for {response_T.size} response tokens")
             length = prompt_P.size + response_T.size
             if length > self.info.max_context_tokens:
                 raise ValueError(f"prompt + response of {length} tokens exceeds the context of "
                                  f"{self.info.max_context_tokens}")
             if batch and max(longest, length) * (len(batch) + 1) > self.max_batch_tokens:
-                out.extend(self._forward(batch, temperature))
-                batch, longest = [], 0
-            replay = None if replayed_experts is None else replayed_experts[i]
-            if replay is not None and len(replay) != response_T.size:
-                raise ValueError(f"{len(replay)} rows of replayed experts for {response_T.size} response tokens")
-            batch.append((prompt_P, response_T, replay))
+                out.extend(self._forward(batch, temperature, replays))
+                batch, replays, longest = [], [], 0
+            batch.append((prompt_P, response_T))
+            replays.append(replay)
             longest = max(longest, length)
         if batch:
-            out.extend(self._forward(batch, temperature))
+            out.extend(self._forward(batch, temperature, replays))
         return out
 
-    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
-                 temperature: float) -> list[TeacherForced]:
+    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray]], temperature: float,
+                 replays: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         device = self.loaded.device
-        lengths = [p.size + r.size for p, r, _ in batch]
+        lengths = [p.size + r.size for p, r in batch]
         B, S = len(batch), max(lengths)
         ids_BS = torch.zeros(B, S, dtype=torch.long)
         mask_BS = torch.zeros(B, S, dtype=torch.long)
-        for b, (p, r, _) in enumerate(batch):
+        for b, (p, r) in enumerate(batch):
             ids_BS[b, : lengths[b]] = torch.from_numpy(np.concatenate([p, r]))
             mask_BS[b, : lengths[b]] = 1
         ids_BS = ids_BS.to(device)
@@ -183,10 +185,10 @@ class TrainerEngine:
         mask_BS = mask_BS.to(device) if min(lengths) < S else None
         capture = RouterCapture(self.loaded.model, self.loaded.info.top_k or 1)
         replay = contextlib.nullcontext()
-        if any(e is not None for _, _, e in batch):
+        if replays is not None and any(e is not None for e in replays):
             top_k = self.loaded.info.top_k or 1
             replay = RouterReplay(self.loaded.model, replay_positions(
-                [(p.size, e) for p, _, e in batch], S, len(capture.routers), top_k))
+                [(p.size, e) for (p, _), e in zip(batch, replays)], S, len(capture.routers), top_k))
         # Replay first, so the capture (registered after it) records the experts actually used.
         with replay, capture:
             hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS,
@@ -194,7 +196,7 @@ class TrainerEngine:
         experts_BSLK = capture.take(B, S) if capture.active else None
         # Position i predicts token i+1: the response's scores sit at P-1 .. P+T-2.
         rows, targets = [], []
-        for b, (p, r, _) in enumerate(batch):
+        for b, (p, r) in enumerate(batch):
             P, T = p.size, r.size
             rows.append(hidden_BSH[b, P - 1: P - 1 + T])
             targets.append(ids_BS[b, P: P + T])
@@ -203,7 +205,7 @@ class TrainerEngine:
         logprobs_N = logprobs_N.cpu().numpy().astype(np.float32)
         entropies_N = entropies_N.cpu().numpy().astype(np.float32)
         out, offset = [], 0
-        for b, (p, r, _) in enumerate(batch):
+        for b, (p, r) in enumerate(batch):
             P, T = p.size, r.size
             experts = None
             if experts_BSLK is not None:

@@ -799,6 +799,28 @@ def _():
     )
 
 
+# ---- router replay ------------------------------------------------------------------------------
+
+REPLAY = "benchmarks/results/router_replay.json"
+
+
+@block("router-replay")
+def _():
+    """Issue 17: the fp32 trainer routing itself (baseline) against replaying each rollout's experts."""
+    meta = load(REPLAY)
+    out = [[r["precision"], n(r["tokens"]),
+            f"{r['flips_plain']:.2%} → {r['flips_replay']:.2%}",
+            f"{r['set_flips_plain']:.2%} → {r['set_flips_replay']:.2%}",
+            f"{r['mean_abs_delta_plain']:.4f} → {r['mean_abs_delta_replay']:.4f}",
+            f"{r['max_abs_delta_plain']:.3f} → {r['max_abs_delta_replay']:.3f}",
+            f"{r['seconds_plain'] * 1e3:.1f} → {r['seconds_replay'] * 1e3:.1f}",
+            times(r["time_ratio"])] for r in meta["rows"]]
+    return (provenance(REPLAY, meta) + "\n\n"
+            + table(["rollout", "tokens", "top-1 flips", "top-k set flips", "mean \\|Δlogp\\|",
+                     "max \\|Δlogp\\|", "teacher forcing (ms)", "replay / baseline time"],
+                    list("lrrrrrrr"), out))
+
+
 # ---- observatory --------------------------------------------------------------------------------
 
 OBS = "benchmarks/results/observatory-tiny-moe-h200.json"

@@ -6,6 +6,7 @@ matrix never exists whole: at 16k tokens and a 150k vocabulary that matrix alone
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from .fingerprint import canonical_pairs, fingerprint_from_logprobs
 from .loading import LoadedModel, load_model
 from .precision import Precision
-from .routing import RouterCapture
+from .routing import RouterCapture, RouterReplay, replay_positions
 
 CPU_CHUNK = 1024
 CUDA_CHUNK = 4096
@@ -124,34 +125,52 @@ class TrainerEngine:
         return fingerprint_from_logprobs([tf.logprobs_T for tf in self.score_batch(pairs)])
 
     @torch.no_grad()
-    def score(self, prompt_ids_P, response_ids_T, *, temperature: float = 1.0) -> TeacherForced:
-        return self.score_batch([(prompt_ids_P, response_ids_T)], temperature=temperature)[0]
+    def score(self, prompt_ids_P, response_ids_T, *, temperature: float = 1.0,
+              replayed_experts_TLK: np.ndarray | None = None) -> TeacherForced:
+        replay = None if replayed_experts_TLK is None else [replayed_experts_TLK]
+        return self.score_batch([(prompt_ids_P, response_ids_T)], temperature=temperature,
+                                replayed_experts=replay)[0]
 
     @torch.no_grad()
-    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0) -> list[TeacherForced]:
+    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0,
+                    replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
+        """Teacher-force each (prompt, response) pair.
+
+        ``replayed_experts`` (router replay, R3): per pair, the rollout engine's ``[T, moe_layers,
+        top_k]`` experts of its response tokens (None: the trainer routes that pair itself); the
+        MoE layers then route those tokens to them (``RouterReplay``), and the returned experts
+        are the ones the forward used.
+        """
+        if replayed_experts is not None and len(replayed_experts) != len(pairs):
+            raise ValueError(f"{len(replayed_experts)} replayed expert arrays for {len(pairs)} pairs")
         out: list[TeacherForced] = []
         batch: list[tuple[np.ndarray, np.ndarray]] = []
+        replays: list[np.ndarray | None] = []
         longest = 0
-        for prompt, response in pairs:
+        for i, (prompt, response) in enumerate(pairs):
             prompt_P = np.asarray(prompt, dtype=np.int64)
             response_T = np.asarray(response, dtype=np.int64)
             if prompt_P.size == 0:
                 raise ValueError("teacher forcing needs at least one prompt token")
+            replay = None if replayed_experts is None else replayed_experts[i]
+            if replay is not None and len(replay) != response_T.size:
+                raise ValueError(f"{len(replay)} rows of replayed experts for {response_T.size} response tokens")
             length = prompt_P.size + response_T.size
             if length > self.info.max_context_tokens:
                 raise ValueError(f"prompt + response of {length} tokens exceeds the context of "
                                  f"{self.info.max_context_tokens}")
             if batch and max(longest, length) * (len(batch) + 1) > self.max_batch_tokens:
-                out.extend(self._forward(batch, temperature))
-                batch, longest = [], 0
+                out.extend(self._forward(batch, temperature, replays))
+                batch, replays, longest = [], [], 0
             batch.append((prompt_P, response_T))
+            replays.append(replay)
             longest = max(longest, length)
         if batch:
-            out.extend(self._forward(batch, temperature))
+            out.extend(self._forward(batch, temperature, replays))
         return out
 
-    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray]], temperature: float
-                 ) -> list[TeacherForced]:
+    def _forward(self, batch: list[tuple[np.ndarray, np.ndarray]], temperature: float,
+                 replays: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         device = self.loaded.device
         lengths = [p.size + r.size for p, r in batch]
         B, S = len(batch), max(lengths)
@@ -165,7 +184,13 @@ class TrainerEngine:
         # the GPU); no KV cache is kept (it would hold K and V of every layer for nothing).
         mask_BS = mask_BS.to(device) if min(lengths) < S else None
         capture = RouterCapture(self.loaded.model, self.loaded.info.top_k or 1)
-        with capture:
+        replay = contextlib.nullcontext()
+        if replays is not None and any(e is not None for e in replays):
+            top_k = self.loaded.info.top_k or 1
+            replay = RouterReplay(self.loaded.model, replay_positions(
+                [(p.size, e) for (p, _), e in zip(batch, replays)], S, len(capture.routers), top_k))
+        # Replay first, so the capture (registered after it) records the experts actually used.
+        with replay, capture:
             hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS,
                                    use_cache=False).last_hidden_state
         experts_BSLK = capture.take(B, S) if capture.active else None

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..engines.routing import replay_positions
+
 
 @dataclass(frozen=True)
 class Datum:
@@ -30,6 +32,9 @@ class Datum:
     old_logprobs_T: np.ndarray | None = None
     """The trainer's logprobs at the start of the step (teacher forcing); None: the learner scores
     them itself before its first update."""
+    routed_experts_TLK: np.ndarray | None = None
+    """Router replay (R3): the experts the trainer's forward uses at each response token
+    (``OWN_ROUTING`` where it routes itself); None: it routes the whole sequence itself."""
 
 
 @dataclass
@@ -41,6 +46,9 @@ class Batch:
     old_BT: torch.Tensor | None
     advantages_B: torch.Tensor
     corrected_B: torch.Tensor
+    replay_BSLK: torch.Tensor | None = None
+    """Experts every MoE layer uses at each position (``engines.routing.replay_positions``); None
+    unless some datum carries routed experts."""
 
 
 def pad_batch(data, pad_id: int):
@@ -69,6 +77,13 @@ def collate(data: list[Datum], pad_id: int) -> Batch:
         for b, d in enumerate(data):
             P, R = len(d.prompt_token_ids_P), len(d.response_token_ids_T)
             old_BT[b, P - 1:P - 1 + R] = torch.tensor(np.asarray(d.old_logprobs_T, dtype=np.float32))
+    replay_BSLK = None
+    shapes = [d.routed_experts_TLK.shape for d in data if d.routed_experts_TLK is not None]
+    if shapes:
+        B, S = ids_BS.shape
+        _, layers, top_k = shapes[0]
+        replay_BSLK = replay_positions([(len(d.prompt_token_ids_P), d.routed_experts_TLK) for d in data],
+                                       S, layers, top_k).reshape(B, S, layers, top_k)
     return Batch(ids_BS, attn_BS, mask_BT, behaviour_BT, old_BT,
                  torch.tensor([d.advantage for d in data], dtype=torch.float32),
-                 torch.tensor([d.corrected for d in data], dtype=torch.bool))
+                 torch.tensor([d.corrected for d in data], dtype=torch.bool), replay_BSLK)

@@ -159,6 +159,13 @@ class CorrectionSection(_Section):
         (0.5, 2.0), description="masked_is: geometric-mean ratio bounds.")
 
 
+class TrainerSection(_Section):
+    router_replay: bool = Field(
+        False, description="Router replay (R3): the trainer's MoE layers route each policy token to the experts "
+                            "the rollout engine chose (the groups' routed_experts), when scoring π_old and in the "
+                            "update; the gate weights still come from the trainer's router. Off: it routes itself.")
+
+
 class OptimSection(_Section):
     lr: float = Field(5e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -294,6 +301,7 @@ class TrainConfig(_Section):
     reward: RewardSection = RewardSection()
     correction: CorrectionSection = CorrectionSection()
     optim: OptimSection = OptimSection()
+    trainer: TrainerSection = TrainerSection()
     lora: LoraSettings = LoraSettings()
     squeeze: SqueezeSettings = SqueezeSettings()
     loop: LoopSection = LoopSection()

@@ -7,6 +7,7 @@ gate sees are exactly π_old, the policy the step starts from, at the trainer's 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -20,6 +21,7 @@ import torch
 from ..engines import TrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
+from ..engines.routing import RouterReplay, moe_routers, replay_problem, replayable
 from ..engines.teacher import TeacherForced
 from ..observatory.dense import dense_summary
 from ..observatory.offpolicy import FIGURE_NAMES, flatten_padded, offpolicy_figures
@@ -48,6 +50,9 @@ class Learner:
         # Full fine-tuning resumes from the checkpoint's weights; LoRA from the base plus its adapters.
         start = resume_from if resume_from is not None and not config.lora.enabled else self.base_path
         self.loaded: LoadedModel = load_model(start, "fp32", config.model.device)
+        if config.trainer.router_replay and not self.loaded.info.is_moe:
+            raise TrainConfigError(f"trainer.router_replay needs an MoE model; {config.model.path} is dense",
+                                   fix="set trainer.router_replay = false")
         self.reference = None
         if config.algorithm.kl_coef > 0:  # the starting policy, frozen
             base = self.loaded.model if start == self.base_path else load_model(self.base_path, "fp32",
@@ -79,10 +84,21 @@ class Learner:
     # -- teacher forcing ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score(self, pairs: list[tuple[np.ndarray, np.ndarray]], temperature: float) -> list[TeacherForced]:
-        """π_old's logprobs, entropies and routed experts of each (prompt, response) pair."""
+    def score(self, pairs: list[tuple[np.ndarray, np.ndarray]], temperature: float,
+              replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
+        """π_old's logprobs, entropies and routed experts of each (prompt, response) pair, routed
+        through ``replayed_experts`` where given (router replay)."""
         self.model.eval()
-        return self.engine.score_batch(pairs, temperature=temperature)
+        return self.engine.score_batch(pairs, temperature=temperature, replayed_experts=replayed_experts)
+
+    def replay_input(self, experts_TLK: np.ndarray | None, produced_T: np.ndarray) -> np.ndarray | None:
+        """A trajectory's routed experts as router replay uses them (``OWN_ROUTING`` on tokens the
+        policy did not produce); None, so the trainer routes it itself, when there are none or they
+        do not fit this model (a worker's bad array must not stop the step)."""
+        experts_TLK = replayable(experts_TLK, produced_T)
+        if experts_TLK is None or replay_problem(experts_TLK, moe_routers(self.model)) is not None:
+            return None
+        return experts_TLK
 
     # -- one optimizer step ---------------------------------------------------------------------------
 
@@ -95,9 +111,18 @@ class Learner:
         return masked_is(log_ratio_BT, mask_BT, token_bounds=c.token_bounds, sequence_bounds=c.sequence_bounds,
                          geo_mean_bounds=c.geo_mean_bounds)
 
+    @staticmethod
+    def _replay(model: torch.nn.Module, batch: Batch):
+        """Router replay of the batch's routed experts on `model` (the policy or the reference, so
+        both score the tokens through the same experts); nothing without them."""
+        if batch.replay_BSLK is None:
+            return contextlib.nullcontext()
+        return RouterReplay(model, batch.replay_BSLK.flatten(0, 1))
+
     def _forward(self, batch, temperature: float):
-        logits_BSV = self.model(input_ids=batch.ids_BS.to(self.loaded.device),
-                                attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
+        with self._replay(self.model, batch):
+            logits_BSV = self.model(input_ids=batch.ids_BS.to(self.loaded.device),
+                                    attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
         # The policy is the distribution the engine sampled from: logits / temperature.
         logits_BTV = logits_BSV[:, :-1] / temperature
         return logits_BTV, token_logprobs(logits_BTV, batch.ids_BS[:, 1:]).cpu()
@@ -161,7 +186,7 @@ class Learner:
                 old_BT = self._forward(batch, temperature)[1]
         ref_BT = None
         if self.reference is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._replay(self.reference, batch):
                 logits = self.reference(input_ids=batch.ids_BS.to(self.loaded.device),
                                         attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
                 ref_BT = token_logprobs(logits[:, :-1] / temperature, batch.ids_BS[:, 1:]).cpu()
@@ -342,4 +367,4 @@ class _WeightedMeans:
 def _rows(batch: Batch, rows_t) -> Batch:
     return Batch(batch.ids_BS[rows_t], batch.attention_BS[rows_t], batch.mask_BT[rows_t], batch.behaviour_BT[rows_t],
                  None if batch.old_BT is None else batch.old_BT[rows_t], batch.advantages_B[rows_t],
-                 batch.corrected_B[rows_t])
+                 batch.corrected_B[rows_t], None if batch.replay_BSLK is None else batch.replay_BSLK[rows_t])

@@ -320,7 +320,8 @@ class Trainer:
                 job_id=key, idempotency_key=key, task=task, policy_version=version, group_size=r.group_size,
                 sampling_config=SamplingConfig(temperature=r.temperature, max_tokens=r.max_tokens, seed=seed),
                 required_precision=precision, required_quantization=Precision(precision).quantization,
-                max_context_tokens=self.learner.loaded.info.max_context_tokens))
+                max_context_tokens=self.learner.loaded.info.max_context_tokens,
+                requires_routed_experts=self.config.trainer.router_replay))
         return jobs
 
     def _enqueue(self, step: int) -> None:
@@ -330,14 +331,19 @@ class Trainer:
 
     # -- one group ----------------------------------------------------------------------------------
 
+    def _replay_input(self, trajectory: Trajectory) -> np.ndarray | None:
+        """What router replay routes this trajectory through (trainer.router_replay)."""
+        return self.learner.replay_input(trajectory.routed_experts, valid_token_mask(trajectory))
+
     def _judge(self, fetched, step: int, out: StepGroups) -> None:
         """Teacher-force a group, let the gate decide, and keep the decision in the step's outbox."""
         cfg = self.config
         group = fetched.group
         trajectories = group.trajectories
         t0 = time.perf_counter()
+        replay = [self._replay_input(t) for t in trajectories] if cfg.trainer.router_replay else None
         scored = self.learner.score([(t.prompt_token_ids, t.response_token_ids) for t in trajectories],
-                                    cfg.rollout.temperature)
+                                    cfg.rollout.temperature, replayed_experts=replay)
         self.timing["score"] += time.perf_counter() - t0
         experts = [s.routed_experts_TLK for s in scored]
         use_experts = all(e is not None for e in experts) and all(t.routed_experts is not None for t in trajectories)
@@ -409,7 +415,8 @@ class Trainer:
                     continue
                 out.data.append(Datum(t.prompt_token_ids, t.response_token_ids, t.logprobs,
                                       mask_T.astype(np.float32), advantage=adv, corrected=j.corrected,
-                                      old_logprobs_T=s.logprobs_T))
+                                      old_logprobs_T=s.logprobs_T,
+                                      routed_experts_TLK=self._replay_input(t) if cfg.trainer.router_replay else None))
                 out.advantages.append(adv)
                 out.tokens_used += int(mask_T.sum())
 

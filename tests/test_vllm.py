@@ -33,7 +33,7 @@ from rollmarket.localhost import free_port
 from rollmarket.proxy.store import CaptureStore
 from rollmarket.tasks.suites import load_suite
 from rollmarket.worker.host import RemoteHost
-from test_worker import Worker, jobs, policy, wait_done
+from test_worker import Worker, jobs, policy, resaved_checkpoint, wait_done
 from vllm_server import MOE, REPO, SERVED_NAME, START_TIMEOUT_S, vllm_server
 
 # The module fixture waits up to START_TIMEOUT_S for vLLM: the per-test limit must cover it.
@@ -86,6 +86,10 @@ def test_workers_sample_agent_groups_from_vllm(vllm, exchange, tmp_path, tokeniz
         trainer.enqueue(jobs(0, 2, suite="chains", group_size=2, max_tokens=48))
         wait_submitted(worker, 2)
         wait_done(trainer, 2, timeout=60)
+        # vLLM keeps serving the directory it loaded: a new checkpoint is refused, never acked.
+        trainer.publish_policy(policy(1, resaved_checkpoint(tmp_path, 1)))
+        assert "reload the server" in worker.wait_for("reload_refused", version=1)["error"]
+        assert not any(e["event"] == "reload_acked" and e["version"] == 1 for e in worker.seen())
     finally:
         worker.stop()
     fetched = trainer.fetch(limit=10).groups

@@ -188,15 +188,40 @@ class RemoteHost:
 
         config = model_config(self.model_dir)
         digest = checkpoint_digest(self.model_dir)
+        served = self._served_model()
+        # vLLM's model cards say `owned_by: vllm` and its /version answers: the groups name the
+        # engine that sampled them (other servers stay "openai-compatible").
+        engine = "vllm" if served.get("owned_by") == "vllm" else "openai-compatible"
         return EngineIdentity(
-            engine_name="openai-compatible", engine_version="unknown",
+            engine_name=engine, engine_version=self._server_version() if engine == "vllm" else "unknown",
             engine_fingerprint="remote:" + hashlib.sha256(f"{base}:{digest}".encode()).hexdigest()[:32],
             device_type="remote", precision=self.precision,
             quantization="fp8-e4m3-per-channel" if self.precision == "fp8" else "none",
             tokenizer_hash=tokenizer_hash(self.model_dir), checkpoint_digest=digest,
-            max_context_tokens=int(config.get("max_position_embeddings", 4096)),
-            returns_routed_experts=False, model_name=self.model_dir.name,
+            max_context_tokens=int(served.get("max_model_len") or config.get("max_position_embeddings", 4096)),
+            returns_routed_experts=False, model_name=served.get("id") or self.model_dir.name,
         )
+
+    def _served_model(self) -> dict:
+        """The server's one model card from `GET /v1/models` ({} when it does not answer): its `id`
+        is the name requests must pass (vLLM's --served-model-name, not the directory's name) and
+        vLLM's `max_model_len` is the context it accepts (its --max-model-len, often below the
+        config's max_position_embeddings)."""
+        try:
+            answer = httpx.get(self.url + "/models", headers=self.headers, timeout=30)
+            cards = answer.json().get("data") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return {}
+        return cards[0] if isinstance(cards, list) and len(cards) == 1 and isinstance(cards[0], dict) else {}
+
+    def _server_version(self) -> str:
+        """vLLM's version from its `GET /version` ("unknown" when it does not answer)."""
+        try:
+            answer = httpx.get(self.url[: -len("/v1")] + "/version", headers=self.headers, timeout=30)
+            version = answer.json().get("version") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return "unknown"
+        return str(version) if version else "unknown"
 
     def load(self, policy: PolicyManifest) -> EngineIdentity:
         identity = self.identity()

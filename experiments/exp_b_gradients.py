@@ -43,6 +43,7 @@ from rollmarket.agents import Agent, AgentSettings, ChatModel, LocalToolbox, Sam
 from rollmarket.engines import RolloutEngine, TrainerEngine
 from rollmarket.engines.loading import load_model
 from rollmarket.observatory.dense import dense_summary
+from rollmarket.observatory.offpolicy import offpolicy_figures
 from rollmarket.research.drift import cosine, expected_squared_change, fork_position, relative_l2
 from rollmarket.research.stats import t_interval, tost
 from rollmarket.runs import code_version
@@ -149,20 +150,26 @@ class Gradients:
         self.temperature = args.temperature
         self.before = torch.cat([p.detach().flatten() for p in self.params]).clone()
 
-    def old(self, data: list[Datum]) -> list[Datum]:
-        """The data with π_old (the trainer's own teacher-forced logprobs) filled in."""
-        scored = self.learner.score([(d.prompt_token_ids_P, d.response_token_ids_T) for d in data], self.temperature)
+    def old(self, data: list[Datum], replay: list[np.ndarray | None] | None = None) -> list[Datum]:
+        """The data with π_old (the trainer's own teacher-forced logprobs) filled in; with `replay`
+        (router replay, R3: per datum the experts to route its response tokens through), π_old is
+        the replayed forward's and the data carry those experts into the step, as the loop does."""
+        scored = self.learner.score([(d.prompt_token_ids_P, d.response_token_ids_T) for d in data], self.temperature,
+                                    replayed_experts=replay)
         return [Datum(d.prompt_token_ids_P, d.response_token_ids_T, d.logprobs_T, d.action_mask_T, d.advantage,
-                      d.corrected, s.logprobs_T) for d, s in zip(data, scored)]
+                      d.corrected, s.logprobs_T, None if replay is None else replay[i])
+                for i, (d, s) in enumerate(zip(data, scored))]
 
     def __call__(self, data: list[Datum], *, behaviour: list[np.ndarray] | None = None, corrected: bool,
                  advantages: list[float] | None = None) -> np.ndarray | None:
-        """The flat gradient of one step on `data` (None when every group tied: nothing to train on)."""
+        """The flat gradient of one step on `data` (None when every group tied: nothing to train on);
+        data that carry routed experts (`old(data, replay)`) are trained with router replay."""
         if not data:
             return None
         data = [Datum(d.prompt_token_ids_P, d.response_token_ids_T,
                       d.logprobs_T if behaviour is None else behaviour[i], d.action_mask_T,
-                      d.advantage if advantages is None else advantages[i], corrected, d.old_logprobs_T)
+                      d.advantage if advantages is None else advantages[i], corrected, d.old_logprobs_T,
+                      d.routed_experts_TLK)
                 for i, d in enumerate(data)]
         self.learner.step(data, self.temperature)
         g = np.concatenate([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().numpy().ravel()
@@ -201,16 +208,19 @@ def router_flip_rate(a, b) -> float | None:
 
 
 def mismatch(data: list[Datum], behaviour: list[np.ndarray]) -> dict | None:
-    """Trainer (π_old) vs a behaviour on the policy's tokens: mean |Δ| and token ESS (None: no data)."""
+    """Trainer (π_old) vs a behaviour on the policy's tokens: mean |Δ|, our token ESS (the gate's) and
+    verl's rollout_is ESS at C = 2 (None: no data)."""
     if not data:
         return None
     masks = [d.action_mask_T.astype(bool) for d in data]
     old_N = np.concatenate([d.old_logprobs_T[m] for d, m in zip(data, masks)]).astype(np.float64)
     beh_N = np.concatenate([b[m] for b, m in zip(behaviour, masks)]).astype(np.float64)
     abs_N = np.abs(old_N - beh_N)
+    lengths = [int(m.sum()) for m in masks]
     return {"tokens": int(old_N.size), "mean_abs_delta": float(abs_N.mean()), "max_abs_delta": float(abs_N.max()),
             "fraction_above_0.1": float((abs_N > 0.1).mean()),
-            "token_ess": float(dense_summary(beh_N, old_N).token_ess)}
+            "token_ess": float(dense_summary(beh_N, old_N).token_ess),
+            "rollout_is_ess": offpolicy_figures(beh_N, old_N, lengths).rollout_is_eff_sample_size}
 
 
 def pair(a: np.ndarray | None, b: np.ndarray | None) -> dict:

@@ -1691,6 +1691,280 @@ def _():
             f"1.0 = every worker got as many leases): {jain}. " + provenance(STORES, load(STORES)))
 
 
+# ---- experiment (d): router replay (R3), per rollout precision -----------------------------------
+
+EXP_R3 = "experiments/results/exp-r3/campaign"
+EXP_R3_GRAD = "experiments/results/exp-r3/gradients.json"
+R3_PRECISIONS = ("fp16", "bf16", "fp8")
+R3_FIGURES = (("mismatch/token_ess_mean", "token ESS"), ("rollout_corr/rollout_is_eff_sample_size", "rollout_is ESS"),
+              ("mismatch/mean_abs_delta", "mean \\|Δlogp\\|"), ("mismatch/router_flip_rate", "router flip rate"))
+"""The per-step off-policy figures (d) reports for every condition (docs/metrics.md)."""
+
+
+@cache
+def exp_r3_gradients() -> dict | None:
+    """(d)'s gradient part (experiments/exp_r3_gradients.py) with its declared tests recomputed from
+    the per-replicate values: per precision, TOST of ‖g − g_fp32‖/‖g_fp32‖ without and with replay,
+    and rel(replay) − rel(none) paired by replicate (t interval, exact sign-flip p). None while the
+    result is not committed."""
+    from rollmarket.research.stats import sign_flip_test, t_interval
+
+    if not (ROOT / EXP_R3_GRAD).is_file():
+        return None
+    g = load(EXP_R3_GRAD)
+    d = g["declared"]
+    tests = {}
+    for p in R3_PRECISIONS:
+        rel = {c: [x["relative_l2"] for x in g["precisions"][p]["vs_fp32"][c]] for c in ("off", "on")}
+        diff = [a - b for a, b in zip(rel["on"], rel["off"])]
+        tests[p] = {"rel": rel, **{c: _tost(rel[c], d["margin_relative_l2"], d["alpha"]) for c in rel},
+                    "diff": {"mean": statistics.mean(diff), "interval": t_interval(diff),
+                             "p": sign_flip_test(diff).p}}
+    return {**g, "tests": tests}
+
+
+@block("exp-r3-gradients-provenance")
+def _():
+    g = exp_r3_gradients()
+    if g is None:
+        return (f"Not run yet: `python experiments/exp_r3_gradients.py` has not written `{EXP_R3_GRAD}`, so this "
+                "part quotes no number yet.")
+    s = g["settings"]
+    return (f"{provenance(EXP_R3_GRAD, g)} Code: git {g['code']['git_commit']}. Model `{s['model']}`, suite "
+            f"`{s['suite']}`, {s['replicates']} replicates × {s['groups']} tasks × {s['group_size']} runs at "
+            f"temperature {s['temperature']} (fp32 rollouts; trained sequences per batch: "
+            f"{statistics.mean(g['datums']):.1f}), token TIS cap {s['cap']}; {g['wall_s'] / 60:.1f} min in all, "
+            f"{s['threads']} torch thread.")
+
+
+@block("exp-r3-gradients-offpolicy")
+def _():
+    g = exp_r3_gradients()
+    if g is None:
+        return ""  # exp-r3-gradients-provenance says why
+    rows = []
+    for p in R3_PRECISIONS:
+        row = g["precisions"][p]
+        for c, label in (("off", "no"), ("on", "**yes**")):
+            ms, rs = row["mismatch"][c], row["routing"][c]
+            rows.append([p, label, _interval([m["mean_abs_delta"] for m in ms], 5),
+                         _interval([m["token_ess"] for m in ms], 6), _interval([m["rollout_is_ess"] for m in ms], 6),
+                         _interval([r["top1"] for r in rs], 4), _interval([r["topk_set"] for r in rs], 4)])
+    return table(["engine (teacher-forced on the fp32 batch)", "router replay", "mean \\|Δlogp\\| (nats)",
+                  "token ESS (the gate's)", "rollout_is ESS (verl's, C = 2)", "top-1 flip rate",
+                  "top-k set changed"], list("llrrrrr"), rows)
+
+
+@block("exp-r3-gradients-step")
+def _():
+    g = exp_r3_gradients()
+    if g is None:
+        return ""
+    rows = []
+
+    def add(label: str, pairs: list[dict]) -> None:
+        rows.append([label, str(sum(x["cosine"] is not None for x in pairs)),
+                     _interval([x["cosine"] for x in pairs], 4), _interval([x["relative_l2"] for x in pairs])])
+
+    for p in R3_PRECISIONS:
+        row = g["precisions"][p]
+        add(f"{p} behaviour, **no replay**, vs the fp32-rollout step", row["vs_fp32"]["off"])
+        add(f"{p} behaviour, **replay** of {p}'s experts, vs the fp32-rollout step", row["vs_fp32"]["on"])
+        add(f"{p}: replay vs no replay", row["on_vs_off"])
+        add(f"{p}: replay's routing alone (IS off, so no behaviour logprobs enter)", row["routing_alone"])
+    add("control: fp32's own experts replayed, vs no replay", g["control_own_replay"]["per_replicate"])
+    for key, pairs in g["floor"].items():
+        add(f"**noise floor**: {key}, two replicates (other seeds)", pairs)
+    return table(["gradients compared (trainer's step, IS on unless said)", "n", "cosine, mean [95% t]",
+                  "‖a − b‖/‖b‖, mean [95% t]"], list("lrrr"), rows)
+
+
+@block("exp-r3-gradients-tests")
+def _():
+    g = exp_r3_gradients()
+    if g is None:
+        return ""
+    d = g["declared"]
+    rows = []
+    for p in R3_PRECISIONS:
+        t = g["tests"][p]
+        for c, label in (("off", "no"), ("on", "yes")):
+            lo, hi = t[c]["interval"]
+            cells = [p, label, f"[{lo:.4f}, {hi:.4f}]", f"{t[c]['p']:.2g}",
+                     bold("EQUIVALENT", True) if t[c]["equivalent"] else "not shown equivalent"]
+            if c == "off":
+                cells += ["", ""]
+            else:
+                dlo, dhi = t["diff"]["interval"]
+                cells += [f"{signed(t['diff']['mean'], 4)} [{signed(dlo, 4)}, {signed(dhi, 4)}]",
+                          _p(t["diff"]["p"])]
+            rows.append(cells)
+    return table(["engine", "router replay",
+                  f"‖g − g_fp32‖/‖g_fp32‖: 90% t interval (margin < {d['margin_relative_l2']})",
+                  "TOST p", "verdict at α = 0.05", "replay − no replay, mean [95% t]", "exact sign-flip p"],
+                 list("lllrlll"), rows)
+
+
+@block("exp-r3-gradients-verdict")
+def _():
+    g = exp_r3_gradients()
+    if g is None:
+        return ""
+    alpha = g["declared"]["alpha"]
+    floor = statistics.mean(x["relative_l2"] for x in g["floor"]["fp32, no replay"])
+    lines = []
+    for p in R3_PRECISIONS:
+        t, row = g["tests"][p], g["precisions"][p]
+        off, on = statistics.mean(t["rel"]["off"]), statistics.mean(t["rel"]["on"])
+        diff = t["diff"]
+        moved = ("closer to" if diff["mean"] < 0 else "farther from") if diff["p"] < alpha else None
+        flips = statistics.mean(r["top1"] for r in row["routing"]["off"])
+        ess = [statistics.mean(m["token_ess"] for m in row["mismatch"][c]) for c in ("off", "on")]
+        lines.append(
+            f"- **{p}**: without replay {pct(flips, 2)} of the (policy token, layer) top-1 experts flip and the step "
+            f"lies {off:.3f} (relative) from the fp32-rollout step; with replay {on:.3f}, "
+            + (f"{moved} it by the paired test (exact p = {_p(diff['p'])})" if moved else
+               f"not distinguishable from no replay (exact p = {_p(diff['p'])})")
+            + f"; the noise floor is {floor:.2f}. Token ESS {ess[0]:.6f} without replay, {ess[1]:.6f} with. "
+            + f"Within the declared margin: {'yes' if t['off']['equivalent'] else 'not shown'} without replay, "
+            + f"{'yes' if t['on']['equivalent'] else 'not shown'} with.")
+    control = max(x["relative_l2"] for x in g["control_own_replay"]["per_replicate"])
+    return ("\n".join(lines) + f"\n\nThe control (fp32 replaying the experts it chooses itself) moves the step by at "
+            f"most {control:.1e} relative: replay adds nothing of its own where routing agrees.")
+
+
+def _pair_ci(values: list[float], fmt) -> str:
+    return _ci(*_mean_ci(values), fmt=fmt) if len(values) > 1 else "–"
+
+
+@cache
+def exp_r3() -> dict | None:
+    """Experiment (d)'s campaign: at each precision `<p>-r3` against `<p>` (`rollmarket stats --baseline
+    <p>`), each condition against itself before training, and the off-policy figures per step."""
+    from rollmarket.research.stats import campaign_report, report_dict
+
+    campaign = _committed_campaign(EXP_R3)
+    if campaign is None:
+        return None
+    primary = campaign.stats.get("metrics", ["eval/pass@1@final"])[0]
+    gains = {c["candidate"]: c["metrics"][0] for c in
+             report_dict(campaign_report(campaign, before_after=True, metrics=[primary]))["comparisons"]}
+    runs_of = {name: {r.seed: r for r in campaign.runs[name]} for name in campaign.conditions}
+    precisions = []
+    for p in R3_PRECISIONS:
+        if p not in campaign.runs or f"{p}-r3" not in campaign.runs:
+            continue
+        report = report_dict(campaign_report(campaign, baseline=p))
+        versus = next(c for c in report["comparisons"] if c["candidate"] == f"{p}-r3")
+        seeds = sorted(s for s in runs_of[p] if s in runs_of[f"{p}-r3"])
+        figures = {}
+        for key, _ in R3_FIGURES:
+            none = [_run_mean(runs_of[p][s], key) for s in seeds]
+            replay = [_run_mean(runs_of[f"{p}-r3"][s], key) for s in seeds]
+            figures[key] = {"none": none, "replay": replay, "delta": [b - a for a, b in zip(none, replay)]}
+        shares = {side: [_gate_shares(runs_of[name][s]) for s in seeds] for side, name in (("none", p), ("replay", f"{p}-r3"))}
+        precisions.append({"precision": p, "metrics": versus["metrics"], "figures": figures, "shares": shares,
+                           "final": {side: gains[name]["candidate_values"] for side, name in
+                                     (("none", p), ("replay", f"{p}-r3"))},
+                           "gain": {"none": gains[p], "replay": gains[f"{p}-r3"]}})
+    steps = sorted({r["step"] for runs in campaign.runs.values() for run in runs for r in run.rows
+                    if r.get("step", 0) > 0 and r.get("mismatch/token_ess_mean") is not None})
+    ess_steps = {name: {step: [r["mismatch/token_ess_mean"] for run in campaign.runs[name] for r in run.rows
+                               if r.get("step") == step and r.get("mismatch/token_ess_mean") is not None]
+                        for step in steps} for name in campaign.conditions}
+    return {"manifest": load(f"{EXP_R3}/manifest.json"), "precisions": precisions,
+            "conditions": campaign.conditions, "steps": steps, "ess_steps": ess_steps}
+
+
+@block("exp-r3-provenance")
+def _():
+    r = exp_r3()
+    if r is None:
+        return pending(EXP_R3, "configs/exp-r3-campaign.toml")
+    return campaign_provenance(EXP_R3, r["manifest"])
+
+
+@block("exp-r3-pass")
+def _():
+    r = exp_r3()
+    if r is None:
+        return ""  # exp-r3-provenance says why
+    rows = []
+    for x in r["precisions"]:
+        m = x["metrics"][0]
+        lo, hi = m["t_interval"]
+        tost = m["equivalence"]
+        gains = " / ".join(f"{signed(g['mean_difference'])} {g['verdict']}" for g in x["gain"].values())
+        rows.append([x["precision"], _ci(*_mean_ci(x["final"]["none"])), _ci(*_mean_ci(x["final"]["replay"])), gains,
+                     f"{signed(m['mean_difference'])} [{signed(lo)}, {signed(hi)}]",
+                     f"{_p(m['sign_flip']['p'])} ({_p(m['p_holm'])})",
+                     f"{_p(tost['p_holm'])} (±{tost['margin']:g})" if tost else "–",
+                     bold(m["verdict"], m["verdict"] != "INCONCLUSIVE")])
+    metric = r["precisions"][0]["metrics"][0]["metric"] if r["precisions"] else "eval/pass@1@final"
+    return table(["rollout", f"`{metric}` no replay [95% t]", "with replay [95% t]",
+                  "gain from before training: no replay / replay", "Δ replay − no replay [95% t]",
+                  "exact sign-flip p (Holm)", "TOST p (margin)", "verdict"], list("llllllll"), rows)
+
+
+@block("exp-r3-offpolicy")
+def _():
+    r = exp_r3()
+    if r is None:
+        return ""
+    rows = []
+    for x in r["precisions"]:
+        ess = next((m for m in x["metrics"][1:] if m["metric"].startswith("mismatch/token_ess_mean")), None)
+        for side, label in (("none", "no"), ("replay", "**yes**")):
+            cells = [x["precision"], label]
+            for key, _ in R3_FIGURES:
+                values = [v for v in x["figures"][key][side] if not math.isnan(v)]
+                cells.append(_pair_ci(values, lambda v: f"{v:.6f}" if "ess" in key else f"{v:.4f}"))
+            cells += [_pair_ci([s[t] for s in x["shares"][side]], lambda v: f"{v:.2f}")
+                      for t in ("train", "train_with_correction", "quarantine")]
+            if side == "none":
+                cells.append("")
+            else:
+                d = [v for v in x["figures"]["mismatch/token_ess_mean"]["delta"] if not math.isnan(v)]
+                cells.append(_pair_ci(d, lambda v: f"{v:+.6f}") + (f"; {ess['verdict']} (p {_p(ess['p_holm'])}, Holm)"
+                                                                   if ess else ""))
+            rows.append(cells)
+    return table(["rollout", "router replay", *[f"{label} (step mean)" for _, label in R3_FIGURES],
+                  "share trained", "with correction", "quarantined", "Δ token ESS, replay − no replay [95% t]"],
+                 ["l"] * 10, rows)
+
+
+@block("exp-r3-ess-steps")
+def _():
+    r = exp_r3()
+    if r is None:
+        return ""
+    names = r["conditions"]
+    rows = [[str(step), *[f"{statistics.mean(v):.6f}" if (v := r["ess_steps"][n][step]) else "–" for n in names]]
+            for step in r["steps"]]
+    return table(["step", *[f"{n}" for n in names]], ["r"] * (1 + len(names)), rows)
+
+
+@block("exp-r3-prose")
+def _():
+    r = exp_r3()
+    if r is None:
+        return ""
+    lines = []
+    for x in r["precisions"]:
+        m = x["metrics"][0]
+        ess = next((e for e in x["metrics"][1:] if e["metric"].startswith("mismatch/token_ess_mean")), None)
+        answer = {"EQUIVALENT": "replay does not change what training reaches",
+                  "CONFIRMED": "training with replay ends higher",
+                  "REFUTED": "training with replay ends lower"}.get(m["verdict"], "not decided by these seeds")
+        ess_text = ""
+        if ess is not None:
+            ess_text = {"CONFIRMED": "raises the token ESS the gate sees", "REFUTED": "lowers the token ESS the gate sees",
+                        }.get(ess["verdict"], "leaves no detectable change in the token ESS the gate sees")
+            ess_text = f"; it {ess_text} (mean Δ {ess['mean_difference']:+.2e}, {ess['verdict']})"
+        lines.append(f"- **{x['precision']}**: {answer} ({m['verdict']}: {m['reason']}){ess_text}.")
+    return "What the data shows (each `<p>-r3` against `<p>`, seed by seed):\n\n" + "\n".join(lines)
+
+
 # ---- the two commands ---------------------------------------------------------------------------
 
 def render(text: str) -> str:

@@ -53,16 +53,18 @@ CHANNELS = ("off", "on")
 # difference rel(on) − rel(off) over the replicates is negative by the exact sign-flip test.
 
 
-def policy_flip_rate(a_TLK: list, b_TLK: list, masks: list[np.ndarray]) -> float | None:
-    """Share of (policy token, MoE layer) positions whose top-1 expert differs between two routings."""
-    flips = total = 0
+def routing_changes(a_TLK: list, b_TLK: list, masks: list[np.ndarray]) -> dict | None:
+    """Over the (policy token, MoE layer) positions of two routings: the share whose top-1 expert
+    differs (the gate's router flip rate) and the share whose set of top-k experts differs."""
+    top1 = topk = total = 0
     for a, b, m in zip(a_TLK, b_TLK, masks):
         if a is None or b is None:
             return None
-        m = m.astype(bool)
-        flips += int((a[m, :, 0] != b[m, :, 0]).sum())
-        total += int(a[m, :, 0].size)
-    return flips / total if total else None
+        a, b = a[m.astype(bool)], b[m.astype(bool)]
+        top1 += int((a[..., 0] != b[..., 0]).sum())
+        topk += int((np.sort(a, -1) != np.sort(b, -1)).any(-1).sum())
+        total += int(a[..., 0].size)
+    return {"top1": top1 / total, "topk_set": topk / total} if total else None
 
 
 def paired(on: list[float], off: list[float]) -> dict | None:
@@ -102,9 +104,9 @@ def main() -> None:
 
     grads = Gradients(model, args)
     learner = grads.learner
-    reference, reference_no_is, own_replay, own_replay_flips = {}, {}, [], []
+    reference, reference_no_is, own_replay, own_replay_routing = {}, {}, [], []
     per = {p: {"gradient": {c: {} for c in CHANNELS}, "routing_alone": [], "on_vs_off": [],
-               "mismatch": {c: [] for c in CHANNELS}, "policy_flip_rate": {c: [] for c in CHANNELS}}
+               "mismatch": {c: [] for c in CHANNELS}, "routing": {c: [] for c in CHANNELS}}
            for p in PRECISIONS}
     datums = []
     for r in reps:
@@ -136,9 +138,9 @@ def main() -> None:
             row["mismatch"]["off"].append(mismatch(data, behaviour))
             row["mismatch"]["on"].append(mismatch(replayed, behaviour))
             experts = [x.routed_experts_TLK for x in tf]
-            row["policy_flip_rate"]["off"].append(policy_flip_rate(fp32_experts, experts, masks))
-            row["policy_flip_rate"]["on"].append(policy_flip_rate([x.routed_experts_TLK for x in rescored], experts, masks))
-        own_replay_flips.append(policy_flip_rate(fp32_experts, [x.routed_experts_TLK for x in learner.score(
+            row["routing"]["off"].append(routing_changes(fp32_experts, experts, masks))
+            row["routing"]["on"].append(routing_changes([x.routed_experts_TLK for x in rescored], experts, masks))
+        own_replay_routing.append(routing_changes(fp32_experts, [x.routed_experts_TLK for x in learner.score(
             pairs, args.temperature, replayed_experts=own)], masks))
         print(f"replicate {r}: {len(data)} datums, {time.monotonic() - started:.0f}s", flush=True)
 
@@ -153,7 +155,7 @@ def main() -> None:
                     "torch": torch.__version__, "threads": args.threads},
         "code": code_version(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "tasks": [t.task_id for t in tasks], "datums": datums,
-        "control_own_replay": {"per_replicate": own_replay, "policy_flip_rate": own_replay_flips},
+        "control_own_replay": {"per_replicate": own_replay, "routing": own_replay_routing},
         "floor": {"fp32, no replay": [pair(reference[s], reference[r]) for r, s in later],
                   **{f"{p}, replay": [pair(per[p]["gradient"]["on"][s], per[p]["gradient"]["on"][r])
                                       for r, s in later] for p in PRECISIONS}},
@@ -166,7 +168,7 @@ def main() -> None:
         cos = {c: [x["cosine"] for x in vs_fp32[c]] for c in CHANNELS}
         report["precisions"][p] = {
             "vs_fp32": vs_fp32, "on_vs_off": row["on_vs_off"], "routing_alone": row["routing_alone"],
-            "mismatch": row["mismatch"], "policy_flip_rate": row["policy_flip_rate"],
+            "mismatch": row["mismatch"], "routing": row["routing"],
             "tests": {c: {"tost_relative_l2": equivalence(rel[c], MARGIN_RELATIVE_L2),
                           "tost_one_minus_cosine": equivalence([1 - x for x in cos[c]], 1 - MARGIN_COSINE)}
                       for c in CHANNELS},
@@ -175,7 +177,9 @@ def main() -> None:
                             "token_ess": summary([m["token_ess"] for m in row["mismatch"][c]]),
                             "rollout_is_ess": summary([m["rollout_is_ess"] for m in row["mismatch"][c]]),
                             "mean_abs_delta": summary([m["mean_abs_delta"] for m in row["mismatch"][c]]),
-                            "policy_flip_rate": summary(row["policy_flip_rate"][c])} for c in CHANNELS},
+                            "router_flip_rate": summary([x["top1"] for x in row["routing"][c]]),
+                            "topk_set_change_rate": summary([x["topk_set"] for x in row["routing"][c]])}
+                      for c in CHANNELS},
         }
     report["wall_s"] = time.monotonic() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -135,9 +135,11 @@ def test_every_result_keeps_its_machine_and_date():
 # computation (scipy's t interval, the 2^n sign flips enumerated here) gives for them.
 
 
-def _write_campaign(root: Path, name: str, stats: dict, runs: dict, gate: dict | None = None) -> None:
+def _write_campaign(root: Path, name: str, stats: dict, runs: dict, gate: dict | None = None,
+                    ess: dict | None = None) -> None:
     """runs: {(condition, seed): (correct before, correct after, minutes, quarantined groups)} out of
-    32 samples; each run has 2 steps of 4 groups, the last with the final evaluation."""
+    32 samples; each run has 2 steps of 4 groups, the last with the final evaluation. ess:
+    {(condition, seed): (token ESS at step 1, at step 2)} (default 0.99, 0.97)."""
     conditions = list(dict.fromkeys(c for c, _ in runs))
     entries = []
     for (condition, seed), (before, after, minutes, quarantined) in runs.items():
@@ -148,12 +150,13 @@ def _write_campaign(root: Path, name: str, stats: dict, runs: dict, gate: dict |
                "gate": (gate or {}).get(condition, {"min_ess": 0.3, "max_policy_lag": 8})}
         (run / "config.json").write_text(json.dumps({"config": cfg}))
         label = {"condition": condition, "seed": seed}
+        ess1, ess2 = (ess or {}).get((condition, seed), (0.99, 0.97))
         rows = [{"step": 0, "eval/pass@1": before / 32, **label},
                 {"step": 1, "num_groups": 4, "gate/train": 4 - quarantined, "gate/train_with_correction": 0,
-                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": 0.99,
+                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": ess1,
                  "policy_lag/mean": 1.0, **label},
                 {"step": 2, "num_groups": 4, "gate/train": 4 - quarantined, "gate/train_with_correction": 0,
-                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": 0.97,
+                 "gate/replay": 0, "gate/quarantine": quarantined, "mismatch/token_ess_mean": ess2,
                  "policy_lag/mean": 2.0, "eval/pass@1": after / 32, **label}]
         (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         evals = []
@@ -259,3 +262,126 @@ def test_experiment_c_blocks_compare_each_threshold_setting_with_the_reference(t
     assert "- **open**: trains" in prose and "equivalent to default within ±0.05" in prose
     assert "not significant after Holm across the 2 settings" in prose
     assert "still converge: open; worse: strict; not decided by these seeds: none." in prose
+
+
+# -- issue 17: experiment (d), router replay per rollout precision ---------------------------------
+
+
+def test_experiment_r3_blocks_say_not_run_yet_without_results(tmp_path, monkeypatch):
+    """Before the gradient result and the campaign are committed: each part says so and quotes no number."""
+    render = renderer()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    assert render.BLOCKS["exp-r3-gradients-provenance"]().startswith("Not run yet")
+    assert render.BLOCKS["exp-r3-provenance"]().startswith("Not run yet")
+    assert "experiments/results/exp-r3/campaign/" in render.BLOCKS["exp-r3-provenance"]()
+    for name in ("gradients-offpolicy", "gradients-step", "gradients-tests", "gradients-verdict", "pass",
+                 "offpolicy", "ess-steps", "prose"):
+        assert render.BLOCKS[f"exp-r3-{name}"]() == "", name
+
+
+def test_experiment_r3_campaign_blocks_compare_replay_with_none_at_each_precision(tmp_path, monkeypatch):
+    """fp8 and fp8-r3 over 8 seeds: final pass@1 the same but in two seeds (+1, −1 of 32: EQUIVALENT
+    within ±0.05), token ESS higher with replay in every seed (CONFIRMED after Holm over 2 metrics)."""
+    render = renderer()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    after = [14, 15, 16, 14, 15, 16, 14, 15]
+    replay_after = [14, 15, 16, 15, 15, 16, 14, 14]
+    runs = {("fp8", s): (8, a, 3.0, 0) for s, a in enumerate(after)}
+    runs |= {("fp8-r3", s): (8, a, 3.1, 0) for s, a in enumerate(replay_after)}
+    ess = {("fp8-r3", s): (0.995 + s * 0.0005, 0.985) for s in range(8)}  # fp8: the default 0.99, 0.97
+    _write_campaign(tmp_path / "experiments/results/exp-r3/campaign", "exp-r3",
+                    {"metrics": ["eval/pass@1@final", "mismatch/token_ess_mean@auc"], "baseline": "fp8",
+                     "equivalence_margin": {"eval/pass@1@final": 0.05}}, runs, ess=ess)
+
+    assert "Machine: the test. Date: 2026-11-26." in render.BLOCKS["exp-r3-provenance"]()
+    row = next(line for line in render.BLOCKS["exp-r3-pass"]().splitlines() if line.startswith("| fp8 |"))
+    d = [(b - a) / 32 for a, b in zip(after, replay_after)]
+    assert sum(d) == 0 and _exact_p(d) == 1.0
+    finals = [a / 32 for a in replay_after]
+    assert f"| {sum(finals) / 8:.3f} {_interval(finals).replace('+', '')} |" in row
+    assert f"| +0.000 {_interval(d)} |" in row and "| 1.0000 (1.0000) |" in row
+    assert row.endswith("| **EQUIVALENT** |")
+    # Token ESS, area over steps 1..2 = the two steps' mean: Δ = (0.005 + 0.0005 s + 0.015) / 2 per seed.
+    ess_d = [(0.005 + 0.0005 * s + 0.015) / 2 for s in range(8)]
+    assert _exact_p(ess_d) == 2 / 256  # Holm over the 2 metrics: 2 · 2/256 = 0.0156 < 0.05
+    offpolicy = render.BLOCKS["exp-r3-offpolicy"]().splitlines()
+    replay_row = next(line for line in offpolicy if line.startswith("| fp8 | **yes** |"))
+    lo, hi = _ci_raw(ess_d)
+    assert f"| {sum(ess_d) / 8:+.6f} [{lo:+.6f}, {hi:+.6f}]; CONFIRMED (p 0.0156, Holm) |" in replay_row
+    none_row = next(line for line in offpolicy if line.startswith("| fp8 | no |"))
+    assert none_row.startswith("| fp8 | no | 0.980000 [0.980000, 0.980000] | – |")  # no rollout_is figure here
+    steps = render.BLOCKS["exp-r3-ess-steps"]().splitlines()
+    assert steps[0] == "| step | fp8 | fp8-r3 |"
+    assert steps[2] == f"| 1 | 0.990000 | {0.995 + 0.0005 * 3.5:.6f} |" and steps[3] == "| 2 | 0.970000 | 0.985000 |"
+    prose = render.BLOCKS["exp-r3-prose"]()
+    assert "- **fp8**: replay does not change what training reaches (EQUIVALENT" in prose
+    assert "it raises the token ESS the gate sees" in prose
+
+
+def _ci_raw(d: list[float]) -> tuple[float, float]:
+    from scipy import stats as sps
+
+    return tuple(sps.ttest_1samp(d, 0).confidence_interval(0.95))
+
+
+def _gradients_result(rel: dict, floor: list[float]) -> dict:
+    """A gradients.json as exp_r3_gradients.py writes it, with the given per-replicate relative L2s
+    ({(precision, 'off' | 'on'): [...]}) and the fp32 noise floor's."""
+    def pairs(values):
+        return [{"cosine": 1 - v**2 / 2, "relative_l2": v} for v in values]
+
+    n = len(floor)
+    precisions = {}
+    for p in ("fp16", "bf16", "fp8"):
+        precisions[p] = {
+            "vs_fp32": {c: pairs(rel[p, c]) for c in ("off", "on")}, "on_vs_off": pairs([0.01] * n),
+            "routing_alone": pairs([0.001] * n),
+            "mismatch": {c: [{"mean_abs_delta": 0.004, "token_ess": 0.9995 if c == "off" else 0.9996,
+                              "rollout_is_ess": 0.9995} for _ in range(n)] for c in ("off", "on")},
+            "routing": {"off": [{"top1": 0.01, "topk_set": 0.008}] * n, "on": [{"top1": 0.0, "topk_set": 0.0}] * n}}
+    return {"declared": {"margin_relative_l2": 0.1, "margin_cosine": 0.995, "alpha": 0.05},
+            "settings": {"model": "models/tiny-start", "suite": "arithmetic", "replicates": n, "groups": 8,
+                         "group_size": 8, "temperature": 1.0, "cap": 2.0, "threads": 1},
+            "machine": {"platform": "the test", "cpus": 2}, "code": {"git_commit": "test"}, "date": "2026-11-27T03:00Z",
+            "datums": [50] * n, "control_own_replay": {"per_replicate": pairs([0.0] * n)},
+            "floor": {"fp32, no replay": pairs(floor)}, "precisions": precisions, "wall_s": 600.0}
+
+
+def test_experiment_r3_gradient_blocks_recompute_the_declared_tests(tmp_path, monkeypatch):
+    """fp8 with replay is closer to the fp32-rollout step in all 6 replicates (exact p = 2/64) and
+    inside the 0.10 margin; without replay it straddles the margin (not shown equivalent)."""
+    render = renderer()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    off = [0.09, 0.12, 0.08, 0.11, 0.10, 0.13]
+    on = [0.03, 0.05, 0.04, 0.02, 0.05, 0.04]
+    rel = {(p, c): (off if c == "off" else on) if p == "fp8" else [0.04, 0.05, 0.03, 0.05, 0.04, 0.05]
+           for p in ("fp16", "bf16", "fp8") for c in ("off", "on")}
+    path = tmp_path / "experiments/results/exp-r3/gradients.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(_gradients_result(rel, [0.5, 0.55, 0.52, 0.48, 0.5, 0.51])))
+
+    from scipy import stats as sps
+
+    tests = render.BLOCKS["exp-r3-gradients-tests"]().splitlines()
+    fp8_off = next(line for line in tests if line.startswith("| fp8 | no |"))
+    fp8_on = next(line for line in tests if line.startswith("| fp8 | yes |"))
+    # TOST of mean < 0.10 by hand: the upper one-sided t-test's p (the lower one is far smaller).
+    for values, line, verdict in ((off, fp8_off, "not shown equivalent"), (on, fp8_on, "**EQUIVALENT**")):
+        mean, se = sum(values) / 6, sps.sem(values)
+        p = sps.t.cdf((mean - 0.1) / se, 5)
+        lo, hi = sps.t.interval(0.90, 5, loc=mean, scale=se)
+        assert f"| [{lo:.4f}, {hi:.4f}] | {p:.2g} | {verdict} |" in line, line
+    d = [a - b for a, b in zip(on, off)]
+    assert _exact_p(d) == 2 / 64
+    assert f"| {_interval_4(d)} | 0.0312 |" in fp8_on
+    verdict = render.BLOCKS["exp-r3-gradients-verdict"]()
+    assert "- **fp8**: without replay 1.00% of the (policy token, layer) top-1 experts flip" in verdict
+    assert "closer to it by the paired test (exact p = 0.0312)" in verdict
+    assert "the noise floor is 0.51" in verdict and "not shown without replay, yes with." in verdict
+    provenance = render.BLOCKS["exp-r3-gradients-provenance"]()
+    assert "Machine: the test, 2 CPUs. Date: 2026-11-27T03:00Z." in provenance and "6 replicates × 8 tasks" in provenance
+
+
+def _interval_4(d: list[float]) -> str:
+    lo, hi = _ci_raw(d)
+    return f"{sum(d) / len(d):+.4f} [{lo:+.4f}, {hi:+.4f}]".replace("-", "−")

@@ -1695,6 +1695,8 @@ def _():
 
 EXP_R3 = "experiments/results/exp-r3/campaign"
 EXP_R3_GRAD = "experiments/results/exp-r3/gradients.json"
+EXP_R3_GRAD_MOE = "experiments/results/exp-r3/gradients-tiny-moe.json"
+"""The same script on tiny-moe at its recipe's temperature 1.5 (groups of 4), as (b) ran it there."""
 R3_PRECISIONS = ("fp16", "bf16", "fp8")
 R3_FIGURES = (("mismatch/token_ess_mean", "token ESS"), ("rollout_corr/rollout_is_eff_sample_size", "rollout_is ESS"),
               ("mismatch/mean_abs_delta", "mean \\|Δlogp\\|"), ("mismatch/router_flip_rate", "router flip rate"))
@@ -1702,16 +1704,16 @@ R3_FIGURES = (("mismatch/token_ess_mean", "token ESS"), ("rollout_corr/rollout_i
 
 
 @cache
-def exp_r3_gradients() -> dict | None:
+def exp_r3_gradients(path: str = EXP_R3_GRAD) -> dict | None:
     """(d)'s gradient part (experiments/exp_r3_gradients.py) with its declared tests recomputed from
     the per-replicate values: per precision, TOST of ‖g − g_fp32‖/‖g_fp32‖ without and with replay,
     and rel(replay) − rel(none) paired by replicate (t interval, exact sign-flip p). None while the
     result is not committed."""
     from rollmarket.research.stats import sign_flip_test, t_interval
 
-    if not (ROOT / EXP_R3_GRAD).is_file():
+    if not (ROOT / path).is_file():
         return None
-    g = load(EXP_R3_GRAD)
+    g = load(path)
     d = g["declared"]
     tests = {}
     for p in R3_PRECISIONS:
@@ -1831,6 +1833,38 @@ def _():
     control = max(x["relative_l2"] for x in g["control_own_replay"]["per_replicate"])
     return ("\n".join(lines) + f"\n\nThe control (fp32 replaying the experts it chooses itself) moves the step by at "
             f"most {control:.1e} relative: replay adds nothing of its own where routing agrees.")
+
+
+@block("exp-r3-gradients-models")
+def _():
+    rows, missing = [], []
+    for path in (EXP_R3_GRAD, EXP_R3_GRAD_MOE):
+        g = exp_r3_gradients(path)
+        if g is None:
+            missing.append(f"`{path}` is not committed (not run yet)")
+            continue
+        s = g["settings"]
+        floor = statistics.mean(x["relative_l2"] for x in g["floor"]["fp32, no replay"])
+        for p in R3_PRECISIONS:
+            t, row = g["tests"][p], g["precisions"][p]
+            lo, hi = t["diff"]["interval"]
+            rows.append([f"`{s['model']}` (T = {s['temperature']}, {s['groups']} × {s['group_size']})", p,
+                         f"{statistics.mean(r['top1'] for r in row['routing']['off']):.4f}",
+                         " → ".join(f"{statistics.mean(m['token_ess'] for m in row['mismatch'][c]):.6f}"
+                                    for c in ("off", "on")),
+                         f"{statistics.mean(t['rel']['off']):.3f}", f"{statistics.mean(t['rel']['on']):.3f}",
+                         f"{signed(t['diff']['mean'], 4)} [{signed(lo, 4)}, {signed(hi, 4)}], p {_p(t['diff']['p'])}",
+                         f"{'yes' if t['off']['equivalent'] else 'no'} / {'yes' if t['on']['equivalent'] else 'no'}",
+                         f"{floor:.2f}"])
+    if not rows:
+        return ""  # exp-r3-gradients-provenance says why
+    text = table(["model (temperature, tasks × runs)", "engine", "top-1 flips without replay",
+                  "token ESS: no replay → replay", "‖g − g_fp32‖/‖g_fp32‖ no replay", "with replay",
+                  "replay − no replay [95% t], exact p", "within margin: no replay / replay", "noise floor"],
+                 list("llrlrrlll"), rows)
+    sources = [provenance(path, exp_r3_gradients(path), inline=True) for path in (EXP_R3_GRAD, EXP_R3_GRAD_MOE)
+               if exp_r3_gradients(path) is not None]
+    return text + "\n\nFrom the " + " and the ".join(sources) + (". " + "; ".join(missing) + "." if missing else ".")
 
 
 def _pair_ci(values: list[float], fmt) -> str:

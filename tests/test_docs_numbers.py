@@ -274,7 +274,7 @@ def test_experiment_r3_blocks_say_not_run_yet_without_results(tmp_path, monkeypa
     assert render.BLOCKS["exp-r3-gradients-provenance"]().startswith("Not run yet")
     assert render.BLOCKS["exp-r3-provenance"]().startswith("Not run yet")
     assert "experiments/results/exp-r3/campaign/" in render.BLOCKS["exp-r3-provenance"]()
-    for name in ("gradients-offpolicy", "gradients-step", "gradients-tests", "gradients-verdict", "pass",
+    for name in ("gradients-offpolicy", "gradients-step", "gradients-tests", "gradients-verdict", "gradients-models", "pass",
                  "offpolicy", "ess-steps", "prose"):
         assert render.BLOCKS[f"exp-r3-{name}"]() == "", name
 
@@ -380,6 +380,12 @@ def test_experiment_r3_gradient_blocks_recompute_the_declared_tests(tmp_path, mo
     assert "the noise floor is 0.51" in verdict and "not shown without replay, yes with." in verdict
     provenance = render.BLOCKS["exp-r3-gradients-provenance"]()
     assert "Machine: the test, 2 CPUs. Date: 2026-11-27T03:00Z." in provenance and "6 replicates × 8 tasks" in provenance
+    # Across models: only tiny-start's result exists; tiny-moe's is named as not run yet.
+    models = render.BLOCKS["exp-r3-gradients-models"]()
+    fp8 = next(line for line in models.splitlines() if line.startswith("| `models/tiny-start` (T = 1.0, 8 × 8) | fp8 |"))
+    assert fp8.startswith("| `models/tiny-start` (T = 1.0, 8 × 8) | fp8 | 0.0100 | 0.999500 → 0.999600 | "
+                          f"{sum(off) / 6:.3f} | {sum(on) / 6:.3f} | {_interval_4(d)}, p 0.0312 | no / yes | 0.51 |")
+    assert "`experiments/results/exp-r3/gradients-tiny-moe.json` is not committed (not run yet)" in models
 
 
 def _interval_4(d: list[float]) -> str:

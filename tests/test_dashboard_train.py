@@ -165,7 +165,12 @@ def test_train_twin_has_every_numeric_column_and_the_eval_band(client, runs_dir)
     assert series["steps"] == list(range(13)) and series["last_step"] == 12
     numeric = {k for r in metrics for k, v in r.items()
                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    assert set(series["columns"]) == numeric  # labels (condition) and nulls (actor/kl_ref) are not columns
+    assert series["names"] == sorted(numeric)  # labels (condition) and nulls (actor/kl_ref) are not columns
+    # The page carries only what its default charts draw; every column is in the metrics twin.
+    drawn = {k for p in data["panels"] for k in p["keys"]}
+    assert set(series["columns"]) == drawn & numeric and "mean_reward" not in series["columns"]
+    series = client.get(f"/train/{DONE}/metrics.json").json()
+    assert set(series["columns"]) == numeric
     assert "condition" not in series["columns"] and "actor/kl_ref" not in series["columns"]
     assert series["columns"]["actor/grad_norm"] == [r.get("actor/grad_norm") for r in metrics]
     wall = 0.0
@@ -211,6 +216,21 @@ def test_metrics_twin_gives_only_newer_steps(client, runs_dir):
     assert re.fullmatch(r"app;dur=\d+\.\d", client.get(f"/train/{DONE}/metrics.json?after=7").headers["server-timing"])
     bad = client.get(f"/train/{DONE}/metrics.json?after=seven")
     assert bad.status_code == 400 and bad.json()["error"]["details"]["parameter"] == "after"
+
+
+def test_chosen_metrics_are_fetched_by_key(client, runs_dir):
+    metrics = rows(runs_dir / DONE / "metrics.jsonl")
+    picked = client.get(f"/train/{DONE}/columns.json?keys=mean_reward&keys=seed&keys=no/such").json()
+    assert picked["run_id"] == DONE and picked["last_step"] == 12
+    assert picked["columns"] == {"mean_reward": [r.get("mean_reward") for r in metrics],
+                                 "seed": [r.get("seed") for r in metrics]}  # a key the run lacks is absent
+    poll = client.get(f"/train/{DONE}/metrics.json?after=10&keys=seed").json()
+    assert poll["steps"] == [11, 12] and poll["columns"] == {"seed": [1.0, 1.0]}
+    assert "mean_reward" in poll["names"]
+    for url in (f"/train/{DONE}/columns.json", f"/train/{DONE}/columns.json?keys="):
+        bad = client.get(url)
+        assert bad.status_code == 400 and bad.json()["error"]["details"]["parameter"] == "keys", url
+    assert client.get("/train/nope/columns.json?keys=seed").json()["error"]["reasons"] == ["unknown_run"]
 
 
 def test_an_appended_row_is_read_incrementally(tmp_path):
@@ -317,11 +337,16 @@ def test_training_page_draws_each_metric_with_its_points(page, server, runs_dir)
     assert page.evaluate("Chart.getChart(document.getElementById('chart-gate')).config.type") == "bar"
     assert len(dataset_lengths(page, "chart-gate")) == 4
     charts = page.locator('[data-testid="chart"]').count()
-    # The metric chooser adds a chart of the chosen key.
-    page.select_option('[data-testid="metric-choice"]', "response_length/clip_ratio")
-    page.click('[data-testid="add-chart"]')
+    # The metric chooser adds a chart of the chosen key, which the page did not carry: it is fetched.
+    assert "mean_reward" not in page.evaluate("JSON.parse(document.getElementById('train-data').textContent)"
+                                              ".metrics.columns")
+    page.select_option('[data-testid="metric-choice"]', "mean_reward")
+    with page.expect_response(lambda r: "/columns.json?keys=mean_reward" in r.url):
+        page.click('[data-testid="add-chart"]')
+    page.wait_for_selector("#chart-custom-1")
     assert page.locator('[data-testid="chart"]').count() == charts + 1
-    assert dataset_lengths(page, "chart-custom-1") == {"response_length/clip_ratio": 12}
+    chosen = sum(1 for r in metrics if "mean_reward" in r)
+    assert chosen == 12 and dataset_lengths(page, "chart-custom-1") == {"mean_reward": chosen}
     # The x axis: wall time puts the last point at the sum of timing_s/step.
     page.select_option('[data-testid="x-axis"]', "wall_s")
     last_x = page.evaluate("Chart.getChart(document.getElementById('chart-rewards')).data.datasets[0].data.at(-1).x")
@@ -357,6 +382,26 @@ def test_a_running_run_follows_its_metrics_file(page, server, runs_dir):
     assert last == {"x": 4, "y": 0.9}
     assert page.locator('[data-testid="last-step"]').inner_text() == "4"
     shot(page, "train-live")
+
+
+def test_an_overlaid_running_run_follows_its_file(page, server, runs_dir):
+    """The overlay is the running run: its dashed curve grows as its file does, the page's own stays."""
+    def rewards() -> int:
+        return sum(1 for r in rows(runs_dir / LIVE / "metrics.jsonl") if "critic/rewards/mean" in r)
+
+    page.goto(f"{server}/train/{DONE}?overlay={LIVE}")
+    page.wait_for_selector("#chart-rewards")
+    before = rewards()
+    assert dataset_lengths(page, "chart-rewards") == {f"critic/rewards/mean · {DONE}": 12,
+                                                      f"critic/rewards/mean · {LIVE}": before}
+    last = max(r["step"] for r in rows(runs_dir / LIVE / "metrics.jsonl"))
+    with open(runs_dir / LIVE / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": last + 1, "critic/rewards/mean": 0.4}) + "\n")
+    page.wait_for_function("n => Chart.getChart(document.getElementById('chart-rewards')).data.datasets[1]"
+                           ".data.length == n", arg=before + 1, timeout=30_000)
+    assert dataset_lengths(page, "chart-rewards") == {f"critic/rewards/mean · {DONE}": 12,
+                                                      f"critic/rewards/mean · {LIVE}": before + 1}
+    assert page.locator('[data-testid="status"]').inner_text() == "finished"
 
 
 def test_index_filters_and_sorts_in_the_page(page, server):
@@ -397,6 +442,12 @@ def test_static_export_draws_training_pages_from_files(browser, runs_dir, tmp_pa
         page.click(f'a:text-is("{DONE}")')
         page.wait_for_selector("#chart-rewards")
         assert dataset_lengths(page, "chart-rewards") == {"critic/rewards/mean": 12}
+        # A metric the page does not carry loads from its own file beside the page.
+        page.select_option('[data-testid="metric-choice"]', "mean_reward")
+        page.click('[data-testid="add-chart"]')
+        page.wait_for_selector("#chart-custom-1")
+        assert dataset_lengths(page, "chart-custom-1") == {"mean_reward": 12}
+        assert any(u.endswith(f"/train/{DONE}/columns/mean_reward.js") for u in requests)
         page.goto((tmp_path / "site" / "train" / f"{LIVE}.html").as_uri())
         page.wait_for_selector("#chart-rewards")
         assert page.locator('[data-testid="live"]').count() == 0  # nothing to poll from a file

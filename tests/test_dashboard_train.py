@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from rollmarket.agents.probe import Capability, ProbeReport
 from rollmarket.dashboard import create_dashboard_app, export_static
 
 from dashboard_browser import dashboard_process, open_page, shot
@@ -37,6 +38,15 @@ STALE = "20261020T100000Z-dead01"
 CAMPAIGN = "camp-a"
 T975 = {4: 2.7764451052, 5: 2.5705818366}
 """Student t 97.5% quantiles by degrees of freedom (from a table)."""
+
+
+PROBES = {name: ProbeReport(url=f"http://127.0.0.1:9/{name}/v1", model="tiny-moe", probed_at=at, capabilities=tuple(
+    Capability(name=cap, status=status, detail="written in code") for cap, status in caps.items()))
+    for name, at, caps in (
+        ("older", "2026-11-01T10:00:00+00:00", {"chat": "yes", "routed_experts": "no"}),
+        ("vllm-a", "2026-11-20T10:00:00+00:00", {"chat": "yes", "streaming": "partial", "routed_experts": "yes",
+                                                 "prompt_logprobs": "no"}))}
+"""Probe reports `rollmarket probe --out RUNS/probes/NAME.json` would save, written in code."""
 
 
 def rows(path: Path) -> list[dict]:
@@ -66,6 +76,10 @@ def runs_dir(tmp_path_factory) -> Path:
     from observatory_fixture import write_fixture_run
 
     write_fixture_run(root / OBSERVE)
+    (root / "probes").mkdir()
+    for name, report in PROBES.items():
+        (root / "probes" / f"{name}.json").write_text(report.model_dump_json())
+    (root / "probes" / "broken.json").write_text('{"url": "x"}')
     return root
 
 
@@ -101,6 +115,21 @@ def test_index_lists_every_kind_with_status_and_headline(client, runs_dir):
     # list is still there.
     assert [e["run_id"] for e in data["entries"]][:3] == [CAMPAIGN, OBSERVE, COLLECT]
     assert [r["run_id"] for r in data["runs"]] == [OBSERVE]
+
+
+def test_index_lists_saved_probe_reports(client):
+    probes = client.get("/index.json").json()["probes"]
+    assert [p["name"] for p in probes] == ["vllm-a", "older", "broken"]  # newest first, unreadable last
+    for entry in probes[:2]:
+        report = PROBES[entry["name"]]
+        assert (entry["url"], entry["model"], entry["probed_at"]) == (report.url, report.model, report.probed_at)
+        assert entry["counts"] == {s: sum(c.status == s for c in report.capabilities) for s in ("yes", "partial", "no")}
+    assert probes[1]["counts"] == {"yes": 1, "partial": 0, "no": 1}
+    assert probes[2]["error"] and probes[2]["url"] is None
+    html = client.get("/").text
+    assert 'href="probe/vllm-a"' in html and 'href="probe/broken"' not in html
+    # The filters narrow runs, not the probes.
+    assert len(client.get("/index.json?kind=campaign").json()["probes"]) == 3
 
 
 def test_index_filters_and_sorts_on_the_server(client):
@@ -427,6 +456,11 @@ def test_index_filters_and_sorts_in_the_page(page, server):
     order = [table.nth(i).get_attribute("data-run") for i in range(table.count())]
     assert order[:2] == [DONE, COLLECT]
     shot(page, "runs-index")
+    probes = page.locator('[data-testid="probes"] tbody tr')
+    assert [probes.nth(i).get_attribute("data-probe") for i in range(probes.count())] == ["vllm-a", "older", "broken"]
+    page.click('a:text-is("vllm-a")')
+    page.wait_for_selector('[data-capability="streaming"][data-status="partial"]')
+    page.go_back()
     page.click(f'a:text-is("{DONE}")')
     page.wait_for_selector("#chart-rewards")
 
@@ -448,6 +482,10 @@ def test_static_export_draws_training_pages_from_files(browser, runs_dir, tmp_pa
         page.wait_for_selector("#chart-custom-1")
         assert dataset_lengths(page, "chart-custom-1") == {"mean_reward": 12}
         assert any(u.endswith(f"/train/{DONE}/columns/mean_reward.js") for u in requests)
+        page.goto((tmp_path / "site" / "index.html").as_uri())
+        assert page.locator('[data-testid="probes"] tbody tr').count() == 3
+        page.click('a:text-is("vllm-a")')
+        page.wait_for_selector('[data-capability="streaming"][data-status="partial"]')
         page.goto((tmp_path / "site" / "train" / f"{LIVE}.html").as_uri())
         page.wait_for_selector("#chart-rewards")
         assert page.locator('[data-testid="live"]').count() == 0  # nothing to poll from a file

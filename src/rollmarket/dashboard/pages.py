@@ -268,6 +268,11 @@ class Linker:
         page = Page.market(run_id)
         return self.href(page) if self.has(page) else None
 
+    def probe(self, name: str) -> str | None:
+        """A saved probe report's page; None where a static export did not write it (not a report)."""
+        page = Page.probe(name)
+        return self.href(page) if self.has(page) else None
+
     def asset(self, name: str) -> str:
         return self.href(Page.static(name))
 

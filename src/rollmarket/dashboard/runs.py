@@ -50,6 +50,7 @@ from pydantic_core import from_json
 from ..contracts import Record
 from ..runs import process_alive, read_processes
 from .data import DashboardError, Missing, RunSummary
+from .probes import ProbeEntry, probe_entries
 from .data import IndexPage as ObservatoryIndex
 
 MAX_DEPTH = 4
@@ -631,6 +632,8 @@ class IndexPage(Record):
     q: str | None = Field(default=None, description="Text the run's id, path or campaign contains.")
     sort: str = Field(default="-started_at", description="A column of SORT_KEYS, '-' first for descending.")
     runs: list[RunSummary] = Field(description="The observatory runs' details (matrix.json), newest first.")
+    probes: list[ProbeEntry] = Field(description="Endpoint probe reports saved under <runs>/probes/ "
+                                                 "(`rollmarket probe --out`), newest first; not filtered.")
 
 
 def index_page(index: RunIndex, observatory: ObservatoryIndex, *, kind: str | None = None,
@@ -653,4 +656,4 @@ def index_page(index: RunIndex, observatory: ObservatoryIndex, *, kind: str | No
     entries = index.entries()
     return IndexPage(runs_dir=str(index.runs_dir), total=len(entries), kind=kind_, status=status_, q=q or None,
                      sort=sort, entries=filter_and_sort(entries, kind=kind_, status=status_, q=q, sort=sort),
-                     runs=observatory.runs)
+                     runs=observatory.runs, probes=probe_entries(index.runs_dir))

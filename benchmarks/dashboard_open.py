@@ -227,11 +227,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--browser-repeats", type=int, default=3, help="Page loads per version in Chromium.")
     parser.add_argument("--before", default=BEFORE, help="The commit the browser case compares with.")
+    parser.add_argument("--cases", nargs="*", choices=[name for name, _ in CASES], help="Run only these cases "
+                        "(and write --out with their rows only).")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "dashboard_open.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="dashboard-open-"))
     try:
-        rows = [row for _, fn in CASES for row in fn(work, args)]
+        rows = [row for name, fn in CASES if not args.cases or name in args.cases for row in fn(work, args)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = Table(title="dashboard: time to open (best of repeats; chromium rows: naive = before)")

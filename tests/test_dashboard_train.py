@@ -494,3 +494,25 @@ def test_static_export_draws_training_pages_from_files(browser, runs_dir, tmp_pa
         context.close()
     assert not errors, errors
     assert [u for u in requests if not u.startswith("file://")] == []
+
+
+def test_gate_bars_sum_steps_when_they_outnumber_the_pixels(browser, tmp_path):
+    """901 steps (0…900) cannot be 901 bars a tier on a 426-px canvas: each bar sums 3 steps
+    (⌈901 / 400⌉), and the bars still add up to every decision in the file."""
+    run = write_training_run(tmp_path / "runs" / DONE, 900, eval_every=300, generations=False)
+    export_static(tmp_path / "runs", tmp_path / "site")
+    metrics = rows(run / "metrics.jsonl")
+    context, page = open_page(browser)
+    try:
+        page.goto((tmp_path / "site" / "train" / f"{DONE}.html").as_uri())
+        page.wait_for_selector("#chart-gate")
+        drawn = page.evaluate("Object.fromEntries(Chart.getChart(document.getElementById('chart-gate')).data.datasets"
+                              ".map(d => [d.label, d.data.map(p => [p.x, p.y])]))")
+        assert page.locator('[data-testid="bar-steps"]').inner_text().strip() == "(each bar sums 3 steps)"
+    finally:
+        context.close()
+    for tier in ("gate/train", "gate/train_with_correction", "gate/replay", "gate/quarantine"):
+        points = [(r["step"], r[tier]) for r in metrics if tier in r]
+        assert len(drawn[tier]) == math.ceil(len(points) / 3) == 300
+        assert [x for x, _ in drawn[tier]] == [s for s, _ in points[::3]]
+        assert sum(y for _, y in drawn[tier]) == sum(v for _, v in points)

@@ -55,6 +55,24 @@
     }).filter(function (p) { return p.x !== null; });
   }
 
+  // A canvas 426 px wide cannot show 10,000 bars a tier, and drawing them took chart.js ~0.6 s a
+  // redraw: past MAX_BARS steps, each bar sums the decisions of `stepsPerBar()` consecutive steps.
+  var MAX_BARS = 400;
+  function stepsPerBar() {
+    return Math.max(1, Math.ceil(Math.max.apply(null, runs.map(function (run) { return run.steps.length; })) / MAX_BARS));
+  }
+  function bars(points) {
+    var k = stepsPerBar();
+    if (k === 1) return points;
+    var out = [];
+    for (var i = 0; i < points.length; i += k) {
+      var y = 0;
+      points.slice(i, i + k).forEach(function (p) { y += p.y; });
+      out.push({ x: points[i].x, y: y });
+    }
+    return out;
+  }
+
   function datasets(panel) {
     var out = [];
     runs.forEach(function (run, r) {
@@ -64,7 +82,7 @@
         var colour = palette[(k + r * panel.keys.length) % palette.length];
         var label = key + suffix;
         if (panel.kind === "stacked") {
-          out.push({ type: "bar", label: label, data: linePoints(run, key), backgroundColor: colour + (r ? "88" : ""),
+          out.push({ type: "bar", label: label, data: bars(linePoints(run, key)), backgroundColor: colour + (r ? "88" : ""),
                      stack: run.run_id, key: key, run: run.run_id });
           return;
         }
@@ -91,8 +109,11 @@
   var xTitles = { steps: "step", wall_s: "wall time (s)", tokens: "tokens" };
   function options(panel) {
     return {
-      animation: false, responsive: false, parsing: true, normalized: true,
+      // Lines hold {x, y} points already sorted by x: chart.js may skip parsing them and draws a
+      // 10,000-step line decimated to what its pixels can show (min-max keeps every spike).
+      animation: false, responsive: false, parsing: panel.kind === "stacked", normalized: true,
       plugins: {
+        decimation: { enabled: panel.kind !== "stacked", algorithm: "min-max" },
         legend: { labels: { boxWidth: 10, filter: function (item, data) { return !data.datasets[item.datasetIndex].band; } } },
         tooltip: { filter: function (item) { return !item.dataset.band; } },
       },
@@ -110,6 +131,10 @@
     figure.setAttribute("data-testid", "chart");
     var caption = document.createElement("figcaption");
     caption.textContent = panel.title;
+    var note = document.createElement("small");
+    note.className = "muted";
+    note.setAttribute("data-testid", "bar-steps");
+    if (panel.kind === "stacked") caption.appendChild(note);
     if (removable) {
       var remove = document.createElement("button");
       remove.type = "button"; remove.className = "remove"; remove.textContent = "×"; remove.title = "remove this chart";
@@ -128,7 +153,12 @@
     host.appendChild(figure);
     var chart = new window.Chart(canvas, { type: panel.kind === "stacked" ? "bar" : "line",
                                            data: { datasets: datasets(panel) }, options: options(panel) });
-    charts.push({ panel: panel, chart: chart, figure: figure });
+    charts.push({ panel: panel, chart: chart, figure: figure, note: note });
+    describe(charts[charts.length - 1]);
+  }
+  function describe(c) {
+    var k = stepsPerBar();
+    c.note.textContent = k > 1 ? " (each bar sums " + k + " steps)" : "";
   }
 
   function redraw() {
@@ -136,6 +166,7 @@
       c.chart.data.datasets = datasets(c.panel);
       c.chart.options = options(c.panel);
       c.chart.update();
+      describe(c);
     });
   }
 

@@ -99,18 +99,22 @@ def test_a_finished_run_and_a_run_whose_process_exited(tmp_path):
 
 def test_records_this_host_cannot_judge_fall_back_to_the_files(tmp_path):
     """Another host's process: its fresh files say running, stale ones crashed. A record of this very
-    process (alive) is running; the same pid with another start time is a reused pid: crashed."""
+    process (alive) is running; the same pid with another start time is a reused pid: crashed. A
+    resumed run (its first process gone, the resuming one alive) is running."""
     me = this_process()
     cases = {"20261101T000000Z-e15e01": replace(me, host=me.host + "-elsewhere"),
              "20261101T000000Z-e15e02": replace(me, host=me.host + "-elsewhere"),
              "20261101T000000Z-a11ve0": me,
-             "20261101T000000Z-5e11d0": replace(me, start_ticks=me.start_ticks - 1)}
-    for run_id, process in cases.items():
+             "20261101T000000Z-5e11d0": replace(me, start_ticks=me.start_ticks - 1),
+             "20261101T000000Z-2e5000": [replace(me, start_ticks=me.start_ticks - 1), me]}
+    for run_id, processes in cases.items():
         run = write_training_run(tmp_path / run_id, 2, planned=5, finished=False)
-        (run / PROCESSES).write_text(json.dumps(asdict(process)) + "\n")
+        (run / PROCESSES).write_text("".join(json.dumps(asdict(p)) + "\n"
+                                             for p in (processes if isinstance(processes, list) else [processes])))
     old = time.time() - 3600
     for f in (tmp_path / "20261101T000000Z-e15e02").iterdir():
         os.utime(f, (old, old))
     client = TestClient(create_dashboard_app(tmp_path))
     assert statuses(client) == {"20261101T000000Z-e15e01": "running", "20261101T000000Z-e15e02": "crashed",
-                                "20261101T000000Z-a11ve0": "running", "20261101T000000Z-5e11d0": "crashed"}
+                                "20261101T000000Z-a11ve0": "running", "20261101T000000Z-5e11d0": "crashed",
+                                "20261101T000000Z-2e5000": "running"}

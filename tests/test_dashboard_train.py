@@ -420,6 +420,7 @@ def test_an_overlaid_running_run_follows_its_file(page, server, runs_dir):
 
     page.goto(f"{server}/train/{DONE}?overlay={LIVE}")
     page.wait_for_selector("#chart-rewards")
+    assert "the running runs" in page.locator('[data-testid="live"]').inner_text()
     before = rewards()
     assert dataset_lengths(page, "chart-rewards") == {f"critic/rewards/mean · {DONE}": 12,
                                                       f"critic/rewards/mean · {LIVE}": before}

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from rollmarket.agents.probe import Capability, ProbeReport
 from rollmarket.dashboard import create_dashboard_app, export_static
 
 from dashboard_browser import dashboard_process, open_page, shot
@@ -37,6 +38,15 @@ STALE = "20261020T100000Z-dead01"
 CAMPAIGN = "camp-a"
 T975 = {4: 2.7764451052, 5: 2.5705818366}
 """Student t 97.5% quantiles by degrees of freedom (from a table)."""
+
+
+PROBES = {name: ProbeReport(url=f"http://127.0.0.1:9/{name}/v1", model="tiny-moe", probed_at=at, capabilities=tuple(
+    Capability(name=cap, status=status, detail="written in code") for cap, status in caps.items()))
+    for name, at, caps in (
+        ("older", "2026-11-01T10:00:00+00:00", {"chat": "yes", "routed_experts": "no"}),
+        ("vllm-a", "2026-11-20T10:00:00+00:00", {"chat": "yes", "streaming": "partial", "routed_experts": "yes",
+                                                 "prompt_logprobs": "no"}))}
+"""Probe reports `rollmarket probe --out RUNS/probes/NAME.json` would save, written in code."""
 
 
 def rows(path: Path) -> list[dict]:
@@ -66,6 +76,10 @@ def runs_dir(tmp_path_factory) -> Path:
     from observatory_fixture import write_fixture_run
 
     write_fixture_run(root / OBSERVE)
+    (root / "probes").mkdir()
+    for name, report in PROBES.items():
+        (root / "probes" / f"{name}.json").write_text(report.model_dump_json())
+    (root / "probes" / "broken.json").write_text('{"url": "x"}')
     return root
 
 
@@ -101,6 +115,21 @@ def test_index_lists_every_kind_with_status_and_headline(client, runs_dir):
     # list is still there.
     assert [e["run_id"] for e in data["entries"]][:3] == [CAMPAIGN, OBSERVE, COLLECT]
     assert [r["run_id"] for r in data["runs"]] == [OBSERVE]
+
+
+def test_index_lists_saved_probe_reports(client):
+    probes = client.get("/index.json").json()["probes"]
+    assert [p["name"] for p in probes] == ["vllm-a", "older", "broken"]  # newest first, unreadable last
+    for entry in probes[:2]:
+        report = PROBES[entry["name"]]
+        assert (entry["url"], entry["model"], entry["probed_at"]) == (report.url, report.model, report.probed_at)
+        assert entry["counts"] == {s: sum(c.status == s for c in report.capabilities) for s in ("yes", "partial", "no")}
+    assert probes[1]["counts"] == {"yes": 1, "partial": 0, "no": 1}
+    assert probes[2]["error"] and probes[2]["url"] is None
+    html = client.get("/").text
+    assert 'href="probe/vllm-a"' in html and 'href="probe/broken"' not in html
+    # The filters narrow runs, not the probes.
+    assert len(client.get("/index.json?kind=campaign").json()["probes"]) == 3
 
 
 def test_index_filters_and_sorts_on_the_server(client):
@@ -165,7 +194,12 @@ def test_train_twin_has_every_numeric_column_and_the_eval_band(client, runs_dir)
     assert series["steps"] == list(range(13)) and series["last_step"] == 12
     numeric = {k for r in metrics for k, v in r.items()
                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-    assert set(series["columns"]) == numeric  # labels (condition) and nulls (actor/kl_ref) are not columns
+    assert series["names"] == sorted(numeric)  # labels (condition) and nulls (actor/kl_ref) are not columns
+    # The page carries only what its default charts draw; every column is in the metrics twin.
+    drawn = {k for p in data["panels"] for k in p["keys"]}
+    assert set(series["columns"]) == drawn & numeric and "mean_reward" not in series["columns"]
+    series = client.get(f"/train/{DONE}/metrics.json").json()
+    assert set(series["columns"]) == numeric
     assert "condition" not in series["columns"] and "actor/kl_ref" not in series["columns"]
     assert series["columns"]["actor/grad_norm"] == [r.get("actor/grad_norm") for r in metrics]
     wall = 0.0
@@ -211,6 +245,21 @@ def test_metrics_twin_gives_only_newer_steps(client, runs_dir):
     assert re.fullmatch(r"app;dur=\d+\.\d", client.get(f"/train/{DONE}/metrics.json?after=7").headers["server-timing"])
     bad = client.get(f"/train/{DONE}/metrics.json?after=seven")
     assert bad.status_code == 400 and bad.json()["error"]["details"]["parameter"] == "after"
+
+
+def test_chosen_metrics_are_fetched_by_key(client, runs_dir):
+    metrics = rows(runs_dir / DONE / "metrics.jsonl")
+    picked = client.get(f"/train/{DONE}/columns.json?keys=mean_reward&keys=seed&keys=no/such").json()
+    assert picked["run_id"] == DONE and picked["last_step"] == 12
+    assert picked["columns"] == {"mean_reward": [r.get("mean_reward") for r in metrics],
+                                 "seed": [r.get("seed") for r in metrics]}  # a key the run lacks is absent
+    poll = client.get(f"/train/{DONE}/metrics.json?after=10&keys=seed").json()
+    assert poll["steps"] == [11, 12] and poll["columns"] == {"seed": [1.0, 1.0]}
+    assert "mean_reward" in poll["names"]
+    for url in (f"/train/{DONE}/columns.json", f"/train/{DONE}/columns.json?keys="):
+        bad = client.get(url)
+        assert bad.status_code == 400 and bad.json()["error"]["details"]["parameter"] == "keys", url
+    assert client.get("/train/nope/columns.json?keys=seed").json()["error"]["reasons"] == ["unknown_run"]
 
 
 def test_an_appended_row_is_read_incrementally(tmp_path):
@@ -317,11 +366,16 @@ def test_training_page_draws_each_metric_with_its_points(page, server, runs_dir)
     assert page.evaluate("Chart.getChart(document.getElementById('chart-gate')).config.type") == "bar"
     assert len(dataset_lengths(page, "chart-gate")) == 4
     charts = page.locator('[data-testid="chart"]').count()
-    # The metric chooser adds a chart of the chosen key.
-    page.select_option('[data-testid="metric-choice"]', "response_length/clip_ratio")
-    page.click('[data-testid="add-chart"]')
+    # The metric chooser adds a chart of the chosen key, which the page did not carry: it is fetched.
+    assert "mean_reward" not in page.evaluate("JSON.parse(document.getElementById('train-data').textContent)"
+                                              ".metrics.columns")
+    page.select_option('[data-testid="metric-choice"]', "mean_reward")
+    with page.expect_response(lambda r: "/columns.json?keys=mean_reward" in r.url):
+        page.click('[data-testid="add-chart"]')
+    page.wait_for_selector("#chart-custom-1")
     assert page.locator('[data-testid="chart"]').count() == charts + 1
-    assert dataset_lengths(page, "chart-custom-1") == {"response_length/clip_ratio": 12}
+    chosen = sum(1 for r in metrics if "mean_reward" in r)
+    assert chosen == 12 and dataset_lengths(page, "chart-custom-1") == {"mean_reward": chosen}
     # The x axis: wall time puts the last point at the sum of timing_s/step.
     page.select_option('[data-testid="x-axis"]', "wall_s")
     last_x = page.evaluate("Chart.getChart(document.getElementById('chart-rewards')).data.datasets[0].data.at(-1).x")
@@ -359,6 +413,27 @@ def test_a_running_run_follows_its_metrics_file(page, server, runs_dir):
     shot(page, "train-live")
 
 
+def test_an_overlaid_running_run_follows_its_file(page, server, runs_dir):
+    """The overlay is the running run: its dashed curve grows as its file does, the page's own stays."""
+    def rewards() -> int:
+        return sum(1 for r in rows(runs_dir / LIVE / "metrics.jsonl") if "critic/rewards/mean" in r)
+
+    page.goto(f"{server}/train/{DONE}?overlay={LIVE}")
+    page.wait_for_selector("#chart-rewards")
+    assert "the running runs" in page.locator('[data-testid="live"]').inner_text()
+    before = rewards()
+    assert dataset_lengths(page, "chart-rewards") == {f"critic/rewards/mean · {DONE}": 12,
+                                                      f"critic/rewards/mean · {LIVE}": before}
+    last = max(r["step"] for r in rows(runs_dir / LIVE / "metrics.jsonl"))
+    with open(runs_dir / LIVE / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": last + 1, "critic/rewards/mean": 0.4}) + "\n")
+    page.wait_for_function("n => Chart.getChart(document.getElementById('chart-rewards')).data.datasets[1]"
+                           ".data.length == n", arg=before + 1, timeout=30_000)
+    assert dataset_lengths(page, "chart-rewards") == {f"critic/rewards/mean · {DONE}": 12,
+                                                      f"critic/rewards/mean · {LIVE}": before + 1}
+    assert page.locator('[data-testid="status"]').inner_text() == "finished"
+
+
 def test_index_filters_and_sorts_in_the_page(page, server):
     page.goto(server + "/")
     table = page.locator('[data-testid="runs"] tbody tr')
@@ -382,6 +457,11 @@ def test_index_filters_and_sorts_in_the_page(page, server):
     order = [table.nth(i).get_attribute("data-run") for i in range(table.count())]
     assert order[:2] == [DONE, COLLECT]
     shot(page, "runs-index")
+    probes = page.locator('[data-testid="probes"] tbody tr')
+    assert [probes.nth(i).get_attribute("data-probe") for i in range(probes.count())] == ["vllm-a", "older", "broken"]
+    page.click('a:text-is("vllm-a")')
+    page.wait_for_selector('[data-capability="streaming"][data-status="partial"]')
+    page.go_back()
     page.click(f'a:text-is("{DONE}")')
     page.wait_for_selector("#chart-rewards")
 
@@ -397,6 +477,16 @@ def test_static_export_draws_training_pages_from_files(browser, runs_dir, tmp_pa
         page.click(f'a:text-is("{DONE}")')
         page.wait_for_selector("#chart-rewards")
         assert dataset_lengths(page, "chart-rewards") == {"critic/rewards/mean": 12}
+        # A metric the page does not carry loads from its own file beside the page.
+        page.select_option('[data-testid="metric-choice"]', "mean_reward")
+        page.click('[data-testid="add-chart"]')
+        page.wait_for_selector("#chart-custom-1")
+        assert dataset_lengths(page, "chart-custom-1") == {"mean_reward": 12}
+        assert any(u.endswith(f"/train/{DONE}/columns/mean_reward.js") for u in requests)
+        page.goto((tmp_path / "site" / "index.html").as_uri())
+        assert page.locator('[data-testid="probes"] tbody tr').count() == 3
+        page.click('a:text-is("vllm-a")')
+        page.wait_for_selector('[data-capability="streaming"][data-status="partial"]')
         page.goto((tmp_path / "site" / "train" / f"{LIVE}.html").as_uri())
         page.wait_for_selector("#chart-rewards")
         assert page.locator('[data-testid="live"]').count() == 0  # nothing to poll from a file
@@ -405,3 +495,25 @@ def test_static_export_draws_training_pages_from_files(browser, runs_dir, tmp_pa
         context.close()
     assert not errors, errors
     assert [u for u in requests if not u.startswith("file://")] == []
+
+
+def test_gate_bars_sum_steps_when_they_outnumber_the_pixels(browser, tmp_path):
+    """901 steps (0…900) cannot be 901 bars a tier on a 426-px canvas: each bar sums 3 steps
+    (⌈901 / 400⌉), and the bars still add up to every decision in the file."""
+    run = write_training_run(tmp_path / "runs" / DONE, 900, eval_every=300, generations=False)
+    export_static(tmp_path / "runs", tmp_path / "site")
+    metrics = rows(run / "metrics.jsonl")
+    context, page = open_page(browser)
+    try:
+        page.goto((tmp_path / "site" / "train" / f"{DONE}.html").as_uri())
+        page.wait_for_selector("#chart-gate")
+        drawn = page.evaluate("Object.fromEntries(Chart.getChart(document.getElementById('chart-gate')).data.datasets"
+                              ".map(d => [d.label, d.data.map(p => [p.x, p.y])]))")
+        assert page.locator('[data-testid="bar-steps"]').inner_text().strip() == "(each bar sums 3 steps)"
+    finally:
+        context.close()
+    for tier in ("gate/train", "gate/train_with_correction", "gate/replay", "gate/quarantine"):
+        points = [(r["step"], r[tier]) for r in metrics if tier in r]
+        assert len(drawn[tier]) == math.ceil(len(points) / 3) == 300
+        assert [x for x, _ in drawn[tier]] == [s for s, _ in points[::3]]
+        assert sum(y for _, y in drawn[tier]) == sum(v for _, v in points)

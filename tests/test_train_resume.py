@@ -30,6 +30,7 @@ import pytest
 from helpers import TRAINER_TOKEN, ExchangeProcess
 
 from rollmarket.engines.provenance import checkpoint_digest
+from rollmarket.runs import read_processes
 from rollmarket.train.failpoints import Failpoint, FailpointError, parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,6 +226,9 @@ def test_kill_9_of_a_local_run_then_resume(tmp_path):
     (run_dir,) = tmp_path.iterdir()
     resume(run_dir, "--local")
     check_run(run_dir, run_dir / "exchange.db", steps=2, groups_per_step=2, group_size=2)
+    # The killed process and the resuming one (this test's) are both recorded: the dashboard's liveness.
+    killed_pid, resumed_pid = (p.pid for p in read_processes(run_dir))
+    assert resumed_pid == os.getpid() != killed_pid
 
 
 def test_failpoints_parse_and_refuse_unknown_names(tmp_path):

@@ -2,7 +2,8 @@
 
     /                                           runs of every kind; ?kind=&status=&q=&sort=  (/index.json)
     /train/<run_id>                             a training run's curves; ?overlay=<id>,<id>
-    /train/<run_id>/metrics.json                its metrics as columns; ?after=<step> gives the newer steps
+    /train/<run_id>/metrics.json                its metrics as columns; ?after=<step> gives the newer steps, ?keys=K… those
+    /train/<run_id>/columns.json?keys=K…        whole columns the page did not carry (a chart the chooser adds)
     /runs/<run_id>                              matrices, worst token, length scaling, divergence
     /runs/<run_id>/trajectory/<rollout>/<id>    the viewer; ?trainer=<engine>&compare=<rollout engine>
     /train/<run_id>/rollouts                    generations.jsonl as a table; ?page=&per_page=&q=&sort=&… (rollouts.py)
@@ -34,7 +35,7 @@ from .metrics import metrics_page
 from .probes import probe_page
 from .pages import STATIC, Linker, Page, Renderer
 from .runs import RunIndex, index_page
-from .training import TrainingRuns, parse_after
+from .training import TrainingRuns, parse_after, parse_keys
 from .rollouts import bad_parameter, generation_page, parse_query, rollouts_csv, rollouts_page
 from .questions import questions_page
 
@@ -119,8 +120,13 @@ def create_dashboard_app(runs_dir: Path, market: MarketSource | None = None) -> 
         return _json(training.page(run_id, overlay))
 
     @app.get("/train/{run_id}/metrics.json")
-    def train_metrics(run_id: str, after: str | None = None) -> Response:
-        return _json(training.series(run_id, parse_after(after)))
+    def train_metrics(run_id: str, after: str | None = None,
+                      keys: list[str] | None = Query(default=None)) -> Response:
+        return _json(training.series(run_id, parse_after(after), parse_keys(keys)))
+
+    @app.get("/train/{run_id}/columns.json")
+    def train_columns(run_id: str, keys: list[str] | None = Query(default=None)) -> Response:
+        return _json(training.columns(run_id, parse_keys(keys, required=True)))
 
     @app.get("/train/{run_id}", response_class=HTMLResponse)
     def train(request: Request, run_id: str, overlay: str | None = None) -> HTMLResponse:

@@ -36,7 +36,8 @@ def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = N
     """Write the whole dashboard of `runs_dir` into `out_dir` (replacing what the export owns there);
     with `exchange_db`, its marketplace page too (a snapshot: the exported page does not refresh).
 
-    The index lists every kind of run; each training (and demo) run gets its page with its metrics inline.
+    The index lists every kind of run; each training (and demo) run gets its page with its default
+    charts' metrics inline and every other metric as `train/<run>/columns/<key>.js`.
 
     Trajectory pages: every trajectory of every viewer file once per trainer engine, and the
     side-by-side pages of each divergence, from either engine's side, once per trainer."""
@@ -78,10 +79,12 @@ def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = N
                                                   "compare": row.view.rollout_engine})
             trajectories += [ref.model_copy(update={"trainer_engine": t})
                              for ref in (row.view, swapped) for t in run_page.trainer_engines]
-    # Training pages carry their metrics inline: from file:// a page cannot fetch its twin.
+    # Training pages carry their default charts' columns inline (from file:// a page cannot fetch its
+    # twin); every other metric is a script of its own beside the page, loaded when it is chosen.
     training = TrainingRuns(run_index)
     trained = [e.run_id for e in every.entries if e.kind in (RunKind.train, RunKind.demo) and not e.error]
-    pages += [(Page.train(run_id), "train.html", training.page(run_id)) for run_id in trained]
+    train_pages = {run_id: training.page(run_id) for run_id in trained}
+    pages += [(Page.train(run_id), "train.html", record) for run_id, record in train_pages.items()]
     # Rollouts: each training run's first EXPORT_PAGES table pages in file order, each of their rows'
     # generation pages, and the whole table as CSV (a filtered page needs the server).
     tables: list[tuple[Page, str, Record]] = []
@@ -113,6 +116,13 @@ def export_static(runs_dir: Path, out_dir: Path, *, exchange_db: Path | None = N
 
     for page, template, record in pages:
         write(page, template, record)
+    for run_id, record in train_pages.items():
+        for key in record.metrics.names:
+            if key in record.metrics.columns:
+                continue
+            target = out / file_path(Page.train_columns(run_id, key))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(f"rollmarketColumns({training.columns(run_id, [key]).model_dump_json()});\n")
     for page, run_id in csvs:
         with open(out / file_path(page), "w", encoding="utf-8", newline="") as f:
             f.writelines(rollouts_csv(runs_dir, run_id, RolloutQuery()))

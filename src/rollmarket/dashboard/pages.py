@@ -28,7 +28,7 @@ class Page:
     """One page of the dashboard, independent of whether a server or a folder of files serves it."""
 
     kind: str
-    """index, run, trajectory, metrics, train, train-metrics, rollouts, rollouts_csv, generation, campaign,
+    """index, run, trajectory, metrics, train, train-metrics, train-columns, rollouts, rollouts_csv, generation, campaign,
     questions, market, probe, static, or raw (a server path as requested, for error pages)."""
     run_id: str | None = None
     """The run's id; for a campaign page, the campaign's."""
@@ -65,6 +65,12 @@ class Page:
     def train_metrics(cls, run_id: str) -> Page:
         """The incremental twin a running run's page polls: `?after=<step>` gives the newer steps."""
         return cls("train-metrics", run_id=run_id)
+
+    @classmethod
+    def train_columns(cls, run_id: str, key: str | None = None) -> Page:
+        """Columns the training page fetches when its chooser picks them: on a server one route
+        (`?keys=K…`); in a static export one script per metric (`key`; None: their folder)."""
+        return cls("train-columns", run_id=run_id, asset=key)
 
     @classmethod
     def rollouts(cls, run_id: str, params: dict[str, str] | None = None, *, csv: bool = False) -> Page:
@@ -107,6 +113,8 @@ def server_path(page: Page, *, json_twin: bool = False) -> str:
         return f"/train/{quote(page.run_id, safe='')}{ext}{query}"
     if page.kind == "train-metrics":
         return f"/train/{quote(page.run_id, safe='')}/metrics.json"
+    if page.kind == "train-columns":
+        return f"/train/{quote(page.run_id, safe='')}/columns.json"
     if page.kind == "campaign":
         return f"/campaigns/{quote(page.run_id, safe='')}{ext}{query}"
     if page.kind in ("metrics", "questions"):
@@ -147,6 +155,9 @@ def file_path(page: Page, *, json_twin: bool = False) -> str:
         return f"train/{slug(page.run_id)}{ext}"
     if page.kind == "train-metrics":
         return f"train/{slug(page.run_id)}/metrics.json"
+    if page.kind == "train-columns":
+        # A script, not JSON: a page opened from file:// may add a <script> but not fetch a file.
+        return f"train/{slug(page.run_id)}/columns/" + (f"{slug(page.asset)}.js" if page.asset is not None else "")
     if page.kind == "campaign":
         return f"campaigns/{slug(page.run_id)}{ext}"
     if page.kind == "trajectory":
@@ -216,6 +227,10 @@ class Linker:
     def train_metrics(self, run_id: str) -> str:
         return self.href(Page.train_metrics(run_id))
 
+    def train_columns(self, run_id: str) -> str:
+        """Where the page fetches a metric it did not carry: the server's route, or the export's folder."""
+        return self.href(Page.train_columns(run_id))
+
     def campaign(self, campaign_id: str) -> str | None:
         """A campaign's page; None where a static export did not write it."""
         page = Page.campaign(campaign_id)
@@ -251,6 +266,11 @@ class Linker:
     def market(self, run_id: str | None = None) -> str | None:
         """A link to the marketplace; None in a static export that has none."""
         page = Page.market(run_id)
+        return self.href(page) if self.has(page) else None
+
+    def probe(self, name: str) -> str | None:
+        """A saved probe report's page; None where a static export did not write it (not a report)."""
+        page = Page.probe(name)
         return self.href(page) if self.has(page) else None
 
     def asset(self, name: str) -> str:

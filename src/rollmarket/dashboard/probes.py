@@ -28,6 +28,35 @@ class ProbePage(Record):
     report: ProbeReport
 
 
+class ProbeEntry(Record):
+    """A saved probe report as the runs index lists it."""
+
+    name: str = Field(description="The file's name without .json: the report's id in `/probe/<name>`.")
+    url: str | None = Field(description="The endpoint probed; None when the file is not a probe report.")
+    model: str | None
+    probed_at: str | None
+    counts: dict[str, int] = Field(description="Capabilities by status (yes, partial, no).")
+    error: str | None = Field(default=None, description="Why the file is not a probe report (its page answers 500).")
+
+
+def probe_entries(runs_dir: Path) -> list[ProbeEntry]:
+    """Every report saved under `<runs_dir>/probes/`, newest probe first (unreadable ones last, by name)."""
+    out = []
+    for name in saved_probes(runs_dir):
+        try:
+            report = probe_page(runs_dir, name).report
+        except DashboardError as exc:
+            out.append(ProbeEntry(name=name, url=None, model=None, probed_at=None, counts={}, error=exc.message))
+            continue
+        counts = {status: 0 for status in ("yes", "partial", "no")}
+        for status in report.statuses().values():
+            counts[status] += 1
+        out.append(ProbeEntry(name=name, url=report.url, model=report.model, probed_at=report.probed_at,
+                              counts=counts))
+    readable = sorted((e for e in out if e.error is None), key=lambda e: (e.probed_at or "", e.name), reverse=True)
+    return readable + [e for e in out if e.error is not None]
+
+
 def saved_probes(runs_dir: Path) -> list[str]:
     """The names of the reports saved under `<runs_dir>/probes/`, sorted."""
     folder = Path(runs_dir) / PROBES_DIR

@@ -9,16 +9,20 @@ Discovery walks the runs directory a few levels deep (campaign runs sit at
     observe    matrix.json and no training files   (`rollmarket observe`)
     collect    config.json with "tasks" and "model_url" (`rollmarket collect`)
 
-A run's status is read from its files, never from a process table it does not own:
+A run's status is read from its files and, on the host that ran it, from whether the processes it
+recorded (`processes.jsonl`: pid, host, boot id and start time, so a reused pid is not mistaken for
+it) still run:
 
     finished   summary.json exists (every writer writes it last); an observatory run's matrix.json
-    running    no summary yet, and a file of the run changed within `stale_after_s`; a campaign's
+    running    no summary yet, and a process it recorded on this host runs; with no such record (older
+               runs, another host's), a file of the run changed within `stale_after_s`; a campaign's
                `.lock` is flock-held (by the campaign process, seen in /proc/locks)
-    crashed    no summary and nothing changed for `stale_after_s`; a campaign whose lock nobody holds
-               while some of its runs are unfinished; a campaign run whose campaign is not running
+    crashed    no summary and every process it recorded is gone; with no such record, nothing changed
+               for `stale_after_s`; a campaign whose lock nobody holds while some of its runs are
+               unfinished; a campaign run whose campaign is not running
 
-A run that stops changing might be slow rather than dead (a long evaluation), so the window is
-generous (15 minutes) and a later write turns it back to running on the next request.
+Where only the files can tell, a run that stops changing might be slow rather than dead (a long
+evaluation), so the window is generous (15 minutes) and a later write turns it back to running.
 
 Parsed files are cached by (size, mtime); a JSONL file that only grew is read from where the last
 read stopped (`JsonlTail`), so a live run's page costs its new lines, not the whole file.
@@ -32,6 +36,7 @@ import re
 import threading
 import time
 from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
@@ -43,7 +48,9 @@ from pydantic import Field
 from pydantic_core import from_json
 
 from ..contracts import Record
+from ..runs import process_alive, read_processes
 from .data import DashboardError, Missing, RunSummary
+from .probes import ProbeEntry, probe_entries
 from .data import IndexPage as ObservatoryIndex
 
 MAX_DEPTH = 4
@@ -248,7 +255,10 @@ class ColumnsView:
     wall_s: list[float]
     tokens: list[float]
     columns: dict[str, list[float | None]]
+    """The columns asked for (all by default); a key the file lacks is absent."""
     last_step: int | None
+    names: list[str]
+    """Every numeric key of the file, sorted (whichever columns were asked for)."""
 
 
 class MetricColumns:
@@ -278,15 +288,16 @@ class MetricColumns:
         self._cache[key] = cols
         return cols
 
-    def view(self, path: Path, after: int | None = None) -> ColumnsView:
-        """The columns of steps > `after` (all of them when None)."""
+    def view(self, path: Path, after: int | None = None, keys: Iterable[str] | None = None) -> ColumnsView:
+        """The columns of steps > `after` (all steps when None), of `keys` (every column when None)."""
         with self._lock:
             cols = self._update(path)
             # Steps increase down the file (the trainer repairs it on resume), so `after` is a cut.
             start = 0 if after is None else bisect_right(cols.steps, after)
+            wanted = cols.columns if keys is None else [k for k in dict.fromkeys(keys) if k in cols.columns]
             return ColumnsView(steps=cols.steps[start:], wall_s=cols.wall_s[start:], tokens=cols.tokens[start:],
-                               columns={k: v[start:] for k, v in cols.columns.items()},
-                               last_step=cols.steps[-1] if cols.steps else None)
+                               columns={k: cols.columns[k][start:] for k in wanted},
+                               last_step=cols.steps[-1] if cols.steps else None, names=sorted(cols.columns))
 
     def headline(self, path: Path, keys: tuple[str, ...]) -> tuple[int | None, dict[str, float | None]]:
         """The last step and the newest value of each of `keys` (what the index shows)."""
@@ -347,6 +358,16 @@ def flock_held(path: Path) -> bool | None:
     wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     return any(len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == wanted
                for parts in (line.split() for line in text.splitlines()))
+
+
+def processes_alive(path: Path) -> bool | None:
+    """Whether a process the run recorded (`processes.jsonl`) still runs on this host: True if one
+    does; False if every one is gone; None when the run recorded none or one ran elsewhere (then
+    only its files can tell)."""
+    states = [process_alive(p) for p in read_processes(path)]
+    if True in states:
+        return True
+    return False if states and None not in states else None
 
 
 # ----------------------------------------------------------------------------- discovery
@@ -505,6 +526,9 @@ class RunIndex:
             return RunStatus.finished
         if found.campaign is not None and not self.campaign_running(found.campaign):
             return RunStatus.crashed
+        alive = processes_alive(path)
+        if alive is not None:
+            return RunStatus.running if alive else RunStatus.crashed
         fresh = time.time() - last_change(path) < self.stale_after_s
         return RunStatus.running if fresh else RunStatus.crashed
 
@@ -608,6 +632,8 @@ class IndexPage(Record):
     q: str | None = Field(default=None, description="Text the run's id, path or campaign contains.")
     sort: str = Field(default="-started_at", description="A column of SORT_KEYS, '-' first for descending.")
     runs: list[RunSummary] = Field(description="The observatory runs' details (matrix.json), newest first.")
+    probes: list[ProbeEntry] = Field(description="Endpoint probe reports saved under <runs>/probes/ "
+                                                 "(`rollmarket probe --out`), newest first; not filtered.")
 
 
 def index_page(index: RunIndex, observatory: ObservatoryIndex, *, kind: str | None = None,
@@ -630,4 +656,4 @@ def index_page(index: RunIndex, observatory: ObservatoryIndex, *, kind: str | No
     entries = index.entries()
     return IndexPage(runs_dir=str(index.runs_dir), total=len(entries), kind=kind_, status=status_, q=q or None,
                      sort=sort, entries=filter_and_sort(entries, kind=kind_, status=status_, q=q, sort=sort),
-                     runs=observatory.runs)
+                     runs=observatory.runs, probes=probe_entries(index.runs_dir))

@@ -40,7 +40,8 @@ class EvalPoint(Record):
 
 
 class Series(Record):
-    """A run's metrics as columns (every numeric key of metrics.jsonl), from step `after` on."""
+    """A run's metrics as columns (the keys asked for, or every numeric key of metrics.jsonl), from
+    step `after` on."""
 
     run_id: str
     status: RunStatus
@@ -48,10 +49,22 @@ class Series(Record):
     steps: list[int]
     wall_s: list[float] = Field(description="Seconds since the start: the running sum of timing_s/step.")
     tokens: list[float] = Field(description="Response tokens so far: the running sum of perf/total_num_tokens.")
-    columns: dict[str, list[float | None]] = Field(description="Every numeric key, one value per step (null where "
-                                                               "a row lacks it).")
+    columns: dict[str, list[float | None]] = Field(description="The keys asked for (every numeric key when none "
+                                                               "were; a key the file lacks is absent), one value "
+                                                               "per step (null where a row lacks it).")
+    names: list[str] = Field(description="Every numeric key of the file, sorted: what the chooser offers.")
     evals: list[EvalPoint] = Field(description="Evaluations at steps > after, from evals.jsonl.")
     last_step: int | None = Field(description="The newest step in the file: the next poll's `after`.")
+
+
+class PickedColumns(Record):
+    """Metrics the page did not carry, fetched when the chooser picks one
+    (`/train/<id>/columns.json?keys=K`; in a static export, a script per key beside the page)."""
+
+    run_id: str
+    last_step: int | None = Field(description="The newest step in the file when read.")
+    columns: dict[str, list[float | None]] = Field(description="Each key asked for that the file has, one value per "
+                                                               "step from the first (as Series.columns).")
 
 
 class Panel(Record):
@@ -70,8 +83,10 @@ class TrainPage(Record):
     summary: dict[str, Any] | None = Field(description="summary.json, once the run finished.")
     groups: dict[str, list[str]] = Field(description="The metric chooser: every numeric key by its prefix.")
     panels: list[Panel] = Field(description="The charts drawn by default (those whose keys the run has).")
-    metrics: Series
-    overlays: list[Series] = Field(description="Other runs drawn on the same charts (?overlay=<id>,<id>).")
+    metrics: Series = Field(description="The run's steps with only the columns the default panels draw; the page "
+                                        "fetches any other when it is chosen.")
+    overlays: list[Series] = Field(description="Other runs drawn on the same charts (?overlay=<id>,<id>), with the "
+                                               "same columns.")
     rollouts: bool = Field(description="Whether generations.jsonl exists (the rollouts table has rows).")
     poll_s: float = POLL_S
 
@@ -180,6 +195,15 @@ def bad_query(message: str, **details: Any) -> DashboardError:
     return DashboardError(Missing.bad_query, message, **details)
 
 
+def parse_keys(keys: list[str] | None, *, required: bool = False) -> list[str] | None:
+    """`?keys=K&keys=L` (repeated: a metric's name may hold any character) as a list; None when absent.
+    Where keys are `required`, none is a typed 400."""
+    keys = [k for k in keys or () if k]
+    if required and not keys:
+        raise bad_query("name the metrics to read: ?keys=<metric>&keys=<metric>…", parameter="keys")
+    return keys or None
+
+
 def parse_after(text: str | None) -> int | None:
     """`?after=` as a step number (None when absent); anything else is a typed 400."""
     if text is None or text == "":
@@ -203,30 +227,41 @@ class TrainingRuns:
                                  run_id=run_id)
         return self.index.entry(found), found.path
 
-    def series(self, run_id: str, after: int | None = None) -> Series:
+    def series(self, run_id: str, after: int | None = None, keys: list[str] | None = None) -> Series:
+        """The run's steps > `after` with the columns of `keys` (every column when None)."""
         entry, path = self.entry(run_id)
-        return self._series(entry, path, after)
+        return self._series(entry, path, after, keys)
+
+    def columns(self, run_id: str, keys: list[str]) -> PickedColumns:
+        """Whole columns of `keys` (those the run has), for a chart the page adds."""
+        _, path = self.entry(run_id)
+        view = COLUMNS.view(path / "metrics.jsonl", None, keys)
+        return PickedColumns.model_construct(run_id=run_id, last_step=view.last_step, columns=view.columns)
 
     @staticmethod
-    def _series(entry: RunEntry, path: Path, after: int | None) -> Series:
-        view = COLUMNS.view(path / "metrics.jsonl", after)
+    def _series(entry: RunEntry, path: Path, after: int | None, keys: list[str] | None) -> Series:
+        view = COLUMNS.view(path / "metrics.jsonl", after, keys)
         last = view.last_step
         # An evaluation is written before its step's metrics row: it shows with that row, once.
         evals = [p for p in eval_points(path) if last is not None and p.step <= last and (after is None or p.step > after)]
         # Built without validation: the columns are floats and Nones by construction (runs.Columns), and
         # checking a million of them again would cost more than reading them.
         return Series.model_construct(run_id=entry.run_id, status=entry.status, after=after, steps=view.steps,
-                                      wall_s=view.wall_s, tokens=view.tokens, columns=view.columns, evals=evals,
-                                      last_step=last)
+                                      wall_s=view.wall_s, tokens=view.tokens, columns=view.columns,
+                                      names=view.names, evals=evals, last_step=last)
 
     def page(self, run_id: str, overlay: str | None = None) -> TrainPage:
         entry, path = self.entry(run_id)
         ids = [i for i in (overlay or "").split(",") if i and i != run_id]
         if len(ids) > MAX_OVERLAYS:
             raise bad_query(f"at most {MAX_OVERLAYS} runs overlay one page", parameter="overlay")
-        overlays = [self.series(i) for i in dict.fromkeys(ids)]
-        metrics = self._series(entry, path, None)
-        keys = set(metrics.columns) | {p.metric for p in metrics.evals}
+        # Only the default panels' columns travel with the page: a 10,000-step run's every metric is
+        # ~16 MB of JSON that takes seconds to parse and draw; the chooser fetches the others.
+        names = COLUMNS.view(path / "metrics.jsonl", None, ()).names
+        panels = default_panels(set(names) | {p.metric for p in eval_points(path)})
+        drawn = [k for panel in panels for k in panel.keys]
+        overlays = [self.series(i, None, drawn) for i in dict.fromkeys(ids)]
+        metrics = self._series(entry, path, None, drawn)
         try:
             config = read_json(path / "config.json") or {}
             summary = read_json(path / "summary.json")
@@ -234,6 +269,6 @@ class TrainingRuns:
                 raise ValueError("config.json and summary.json must hold JSON objects")
         except ValueError as exc:
             raise DashboardError(Missing.unreadable_run, f"{path}: {exc}", run_id=run_id) from None
-        return TrainPage(run=entry, config=config, summary=summary, groups=key_groups(set(metrics.columns)),
-                         panels=default_panels(keys), metrics=metrics, overlays=overlays,
+        return TrainPage(run=entry, config=config, summary=summary, groups=key_groups(set(metrics.names)),
+                         panels=panels, metrics=metrics, overlays=overlays,
                          rollouts=(path / "generations.jsonl").is_file())

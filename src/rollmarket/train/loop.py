@@ -61,7 +61,7 @@ from ..engines.teacher import TeacherForced
 from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
 from ..observatory.offpolicy import FIGURE_NAMES
-from ..runs import atomic_write_text, code_version, new_run_dir, read_step_rows, write_json
+from ..runs import atomic_write_text, code_version, new_run_dir, read_step_rows, record_process, write_json
 from ..tasks.suites import load_suite
 from . import failpoints
 from .advantages import compute_advantages
@@ -243,8 +243,10 @@ class Trainer:
                 raise TrainConfigError(f"{self.resume} is not a training run directory (no config.json)")
             if "config" not in json.loads((self.resume / "config.json").read_text()):
                 raise TrainConfigError(f"{self.resume}/config.json is not a training config")
+            record_process(self.resume)  # the dashboard tells running from crashed by this process's liveness
             return self.resume
         run_dir = self.given_run_dir or new_run_dir(self.config.runs_root)
+        record_process(run_dir)  # a given directory was made by another process (or none)
         write_json(run_dir / "config.json", {"config": self.config.model_dump(mode="json"), "local": self.local,
                                              "code": code_version()})
         return run_dir

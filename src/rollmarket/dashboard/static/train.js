@@ -1,14 +1,21 @@
 // rollmarket training run page: curves of metrics.jsonl against step, wall time or tokens, with the
-// held-out interval band, a metric chooser, EMA smoothing, log scale, overlays and (for a running
-// run on a server) live updates from /train/<id>/metrics.json?after=<step>. No build step, no network.
+// held-out interval band, a metric chooser, EMA smoothing, log scale, overlays and (for running runs
+// on a server, the page's own and its overlays) live updates from /train/<id>/metrics.json?after=<step>.
+// The page carries only the default charts' columns: a chosen metric is fetched from
+// /train/<id>/columns.json?keys=K, or in a static export loaded as the script columns/<key>.js (a page
+// opened from file:// cannot fetch). No build step, no network.
 (function () {
   "use strict";
   var source = document.getElementById("train-data");
   var host = document.getElementById("charts");
   if (!source || !host || !window.Chart) return;
   var page = JSON.parse(source.textContent);
+  var sources = JSON.parse(document.getElementById("train-sources").textContent);
   var script = document.currentScript;
+  var isStatic = script && script.dataset.static === "true";
   var runs = [page.metrics].concat(page.overlays);
+  var byId = {};
+  runs.forEach(function (run) { byId[run.run_id] = run; });
   var palette = ["#2166ac", "#b42318", "#1a7f37", "#9a6700", "#6f42c1", "#0b7285", "#c2255c", "#495057"];
   var state = { x: "steps", smooth: 0, log: false };
   var charts = [];  // {panel, chart, figure}
@@ -48,6 +55,24 @@
     }).filter(function (p) { return p.x !== null; });
   }
 
+  // A canvas 426 px wide cannot show 10,000 bars a tier, and drawing them took chart.js ~0.6 s a
+  // redraw: past MAX_BARS steps, each bar sums the decisions of `stepsPerBar()` consecutive steps.
+  var MAX_BARS = 400;
+  function stepsPerBar() {
+    return Math.max(1, Math.ceil(Math.max.apply(null, runs.map(function (run) { return run.steps.length; })) / MAX_BARS));
+  }
+  function bars(points) {
+    var k = stepsPerBar();
+    if (k === 1) return points;
+    var out = [];
+    for (var i = 0; i < points.length; i += k) {
+      var y = 0;
+      points.slice(i, i + k).forEach(function (p) { y += p.y; });
+      out.push({ x: points[i].x, y: y });
+    }
+    return out;
+  }
+
   function datasets(panel) {
     var out = [];
     runs.forEach(function (run, r) {
@@ -57,7 +82,7 @@
         var colour = palette[(k + r * panel.keys.length) % palette.length];
         var label = key + suffix;
         if (panel.kind === "stacked") {
-          out.push({ type: "bar", label: label, data: linePoints(run, key), backgroundColor: colour + (r ? "88" : ""),
+          out.push({ type: "bar", label: label, data: bars(linePoints(run, key)), backgroundColor: colour + (r ? "88" : ""),
                      stack: run.run_id, key: key, run: run.run_id });
           return;
         }
@@ -84,8 +109,11 @@
   var xTitles = { steps: "step", wall_s: "wall time (s)", tokens: "tokens" };
   function options(panel) {
     return {
-      animation: false, responsive: false, parsing: true, normalized: true,
+      // Lines hold {x, y} points already sorted by x: chart.js may skip parsing them and draws a
+      // 10,000-step line decimated to what its pixels can show (min-max keeps every spike).
+      animation: false, responsive: false, parsing: panel.kind === "stacked", normalized: true,
       plugins: {
+        decimation: { enabled: panel.kind !== "stacked", algorithm: "min-max" },
         legend: { labels: { boxWidth: 10, filter: function (item, data) { return !data.datasets[item.datasetIndex].band; } } },
         tooltip: { filter: function (item) { return !item.dataset.band; } },
       },
@@ -103,6 +131,10 @@
     figure.setAttribute("data-testid", "chart");
     var caption = document.createElement("figcaption");
     caption.textContent = panel.title;
+    var note = document.createElement("small");
+    note.className = "muted";
+    note.setAttribute("data-testid", "bar-steps");
+    if (panel.kind === "stacked") caption.appendChild(note);
     if (removable) {
       var remove = document.createElement("button");
       remove.type = "button"; remove.className = "remove"; remove.textContent = "×"; remove.title = "remove this chart";
@@ -121,7 +153,12 @@
     host.appendChild(figure);
     var chart = new window.Chart(canvas, { type: panel.kind === "stacked" ? "bar" : "line",
                                            data: { datasets: datasets(panel) }, options: options(panel) });
-    charts.push({ panel: panel, chart: chart, figure: figure });
+    charts.push({ panel: panel, chart: chart, figure: figure, note: note });
+    describe(charts[charts.length - 1]);
+  }
+  function describe(c) {
+    var k = stepsPerBar();
+    c.note.textContent = k > 1 ? " (each bar sums " + k + " steps)" : "";
   }
 
   function redraw() {
@@ -129,6 +166,7 @@
       c.chart.data.datasets = datasets(c.panel);
       c.chart.options = options(c.panel);
       c.chart.update();
+      describe(c);
     });
   }
 
@@ -149,50 +187,105 @@
     var key = choice.value;
     if (!key) return;
     custom += 1;
-    addChart({ id: "custom-" + custom, title: key, keys: [key], kind: key.indexOf("gate/") === 0 ? "stacked" : "line",
-               band: false }, true);
+    var id = "custom-" + custom;
+    load(key).then(function () {
+      addChart({ id: id, title: key, keys: [key], kind: key.indexOf("gate/") === 0 ? "stacked" : "line",
+                 band: false }, true);
+    });
   });
 
-  // ---- live: append the steps written since the last one shown
-  if (script && script.dataset.live === "true") {
-    var url = script.dataset.metricsUrl;
-    var run = page.metrics;
+  // ---- metrics the page did not carry: fetched (or, from files, loaded as scripts) when chosen
+  function slug(name) {  // pages.slug: a character other than [A-Za-z0-9_.-] as ~XX per UTF-8 byte
+    var out = "";
+    Array.from(name).forEach(function (ch) {
+      if (/[A-Za-z0-9_.-]/.test(ch)) { out += ch; return; }
+      new TextEncoder().encode(ch).forEach(function (b) { out += "~" + (b < 16 ? "0" : "") + b.toString(16); });
+    });
+    return out;
+  }
+  function merge(picked) {  // a PickedColumns record: whole columns, cut to the steps this page holds
+    var run = byId[picked.run_id];
+    if (!run) return;
+    Object.keys(picked.columns).forEach(function (key) {
+      var column = picked.columns[key].slice(0, run.steps.length);
+      while (column.length < run.steps.length) column.push(null);
+      run.columns[key] = column;
+    });
+  }
+  window.rollmarketColumns = merge;  // what an exported columns/<key>.js calls
+  function loadScript(src) {
+    return new Promise(function (resolve) {
+      var tag = document.createElement("script");
+      tag.src = src;
+      tag.onload = tag.onerror = function () { tag.remove(); resolve(); };  // no file: the run lacks the key
+      document.head.appendChild(tag);
+    });
+  }
+  function load(key) {
+    return Promise.all(runs.filter(function (run) { return !run.columns[key]; }).map(function (run) {
+      var where = sources[run.run_id].columns;
+      var got = isStatic ? loadScript(where + slug(key) + ".js")
+        : fetch(where + "?keys=" + encodeURIComponent(key)).then(function (r) { return r.ok ? r.json() : null; })
+            .then(function (picked) { if (picked) merge(picked); }).catch(function () {});
+      return got.then(function () {
+        // A run without the key draws nothing, and its new steps' values (if it gains the key) come with the poll.
+        if (!run.columns[key]) run.columns[key] = new Array(run.steps.length).fill(null);
+      });
+    }));
+  }
+
+  // ---- live: each running run (the page's own and its overlays) appends the steps written since
+  function offer(names) {  // keys the run gained join the chooser
+    var have = {};
+    Array.from(choice.options).forEach(function (o) { have[o.value] = true; });
+    names.filter(function (key) { return !have[key]; }).forEach(function (key) {
+      var group = choice.querySelector('optgroup[label="' + (key.indexOf("/") > 0 ? key.split("/")[0] : "other") + '"]');
+      var option = document.createElement("option");
+      option.textContent = key;
+      (group || choice).appendChild(option);
+    });
+  }
+  function append(run, more) {
+    var n = run.steps.length;
+    Object.keys(more.columns).forEach(function (key) {
+      if (!run.columns[key]) run.columns[key] = new Array(n).fill(null);
+    });
+    Object.keys(run.columns).forEach(function (key) {
+      var add = more.columns[key] || new Array(more.steps.length).fill(null);
+      Array.prototype.push.apply(run.columns[key], add);
+    });
+    ["steps", "wall_s", "tokens"].forEach(function (k) { Array.prototype.push.apply(run[k], more[k]); });
+    Array.prototype.push.apply(run.evals, more.evals);
+    run.last_step = more.last_step;
+  }
+  function follow(run) {
+    var main = run === page.metrics;
     var busy = false;
     var timer = setInterval(function () {
       if (busy) return;
       busy = true;
-      var after = run.last_step === null ? "" : "?after=" + run.last_step;
-      fetch(url + after).then(function (r) { return r.ok ? r.json() : null; }).then(function (more) {
-        busy = false;
-        if (!more) return;
-        if (more.steps.length) {
-          var n = run.steps.length;
-          Object.keys(more.columns).forEach(function (key) {
-            if (!run.columns[key]) {
-              run.columns[key] = new Array(n).fill(null);
-              var group = choice.querySelector('optgroup[label="' + (key.indexOf("/") > 0 ? key.split("/")[0] : "other") + '"]');
-              var option = document.createElement("option");
-              option.textContent = key;
-              (group || choice).appendChild(option);
-            }
-          });
-          Object.keys(run.columns).forEach(function (key) {
-            var add = more.columns[key] || new Array(more.steps.length).fill(null);
-            Array.prototype.push.apply(run.columns[key], add);
-          });
-          ["steps", "wall_s", "tokens"].forEach(function (k) { Array.prototype.push.apply(run[k], more[k]); });
-          Array.prototype.push.apply(run.evals, more.evals);
-          run.last_step = more.last_step;
-          document.querySelector('[data-testid="last-step"]').textContent = String(run.last_step);
-          redraw();
-        }
-        if (more.status !== "running") {
-          clearInterval(timer);
-          var pill = document.querySelector('[data-testid="status"]');
-          pill.textContent = more.status;
-          pill.className = "pill status-" + more.status;
-        }
-      }).catch(function () { busy = false; });
+      // Only the columns this page holds: a chart added later fetches its whole column first.
+      var query = Object.keys(run.columns).map(function (k) { return "keys=" + encodeURIComponent(k); });
+      if (run.last_step !== null) query.unshift("after=" + run.last_step);
+      fetch(sources[run.run_id].metrics + (query.length ? "?" + query.join("&") : ""))
+        .then(function (r) { return r.ok ? r.json() : null; }).then(function (more) {
+          busy = false;
+          if (!more) return;
+          if (main) offer(more.names);
+          if (more.steps.length) {
+            append(run, more);
+            if (main) document.querySelector('[data-testid="last-step"]').textContent = String(run.last_step);
+            redraw();
+          }
+          if (more.status !== "running") {
+            clearInterval(timer);
+            if (!main) return;
+            var pill = document.querySelector('[data-testid="status"]');
+            pill.textContent = more.status;
+            pill.className = "pill status-" + more.status;
+          }
+        }).catch(function () { busy = false; });
     }, page.poll_s * 1000);
   }
+  if (!isStatic) runs.filter(function (run) { return run.status === "running"; }).forEach(follow);
 })();

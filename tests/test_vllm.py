@@ -365,7 +365,7 @@ def test_the_probe_tells_what_vllm_gives(vllm, workdir):
     assert found["prompt_token_ids"]["evidence"]["token_ids"] == facts["prompt_token_ids"]
     if expected["tool_calls"] == "partial":
         assert found["tool_calls"]["evidence"]["finish_reason"] == facts["tool_finish_reason"]
-        # vLLM forces the call's opening; tiny-moe does not close it within the tokens asked
+        # tiny-moe opens a <tool_call> on vLLM and does not close it within the tokens asked
         assert ("ran out of max_tokens" in found["tool_calls"]["detail"]) == (facts["tool_finish_reason"] == "length")
     if expected["routed_experts"] == "no":  # vLLM answers `routed_experts: null`, not nothing
         assert "enable-return-routed-experts" in found["routed_experts"]["detail"]

@@ -382,7 +382,7 @@ def _tool_calls(p: _Prober, model: str) -> Capability:
     if calls:
         return _cap("tool_calls", "yes", "the named tool_choice gave a tool call", tool_calls=calls)
     reason = choice.get("finish_reason")
-    if reason == "length":  # vLLM forces the call's opening; a small model may not close it in time
+    if reason == "length":  # a call begun but not closed (tiny-moe on vLLM writes past 64 tokens)
         return _cap("tool_calls", "partial", f"tools were accepted but the answer ran out of max_tokens "
                     f"({TOOL_MAX_TOKENS}) before a tool call was complete", content=message.get("content"),
                     finish_reason=reason)

@@ -149,11 +149,22 @@ def _npy(array: np.ndarray, *, allow_pickle: bool = False) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def _claims(encoded: str, shape: str) -> str:
+    """vLLM's bytes with a header that claims another shape (padding kept so the header still parses)."""
+    data = base64.b64decode(encoded)
+    old = f"{tuple(FED.shape)}".encode()
+    grown = data.replace(old, shape.encode()).replace(b" " * (len(shape) - len(old)) + b"\n", b"\n", 1)
+    assert len(grown) == len(data)
+    return base64.b64encode(grown).decode()
+
+
 MALFORMED = [
     ("not base64", lambda e: "@@ not base64 @@", upstream.RoutedExpertsEncoding),
     ("not a string", lambda e: {"rows": 7}, upstream.RoutedExpertsEncoding),
     ("not .npy", lambda e: base64.b64encode(b"\x00\x01 not an npy file").decode(), upstream.RoutedExpertsEncoding),
     ("pickled objects", lambda e: _npy(np.array([{"a": 1}], dtype=object), allow_pickle=True),
+     upstream.RoutedExpertsEncoding),
+    ("a shape its bytes cannot hold", lambda e: _claims(e["int32"], "(70000000000, 2, 2)"),
      upstream.RoutedExpertsEncoding),
     ("float dtype", lambda e: e["float"], upstream.RoutedExpertsShape),
     ("rank 2", lambda e: e["rank2"], upstream.RoutedExpertsShape),

@@ -10,14 +10,17 @@ SGLang send them as base64 bytes over every position the model was fed, prompt i
 - **SGLang** (`--enable-return-routed-experts`): base64 of raw int32 bytes without a shape, of
   (prompt + response − 1, all hidden layers, top-k); dense layers of a MoE family hold −1. Recent
   versions put it at the top of the answer (`sglext.routed_experts`, and in a last streamed chunk
-  with no choices), older ones on the choice (`choices[i].sgl_ext.routed_experts`).
+  with no choices), older ones on the choice (`choices[i].sgl_ext.routed_experts`), and the
+  choice's `meta_info` (`return_meta_info`) holds them too, beside `output_token_logprobs`
+  (`[logprob, token_id, text]`), SGLang's only spelling of response token ids.
 
 Row j of either is the routing of the forward pass fed token j. Our layout (`engines.rollout.
 Generation`): response row t holds the experts of the step that produced response token t, which
 was fed token P − 1 + t; the prompt part holds prompt positions 0 .. P − 2. So the last R rows are
 the response's and the rows before them the prompt's.
 
-A malformed array is a typed error (`RoutedExpertsError`), never a guess.
+A malformed array is a typed error (`RoutedExpertsError`), never a guess. vLLM's `prompt_logprobs`
+are read here too (`read_prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,12 +87,18 @@ def decode_vllm(encoded: object) -> np.ndarray:
     Raises RoutedExpertsEncoding (not base64, not a `.npy` file, a pickled object) or
     RoutedExpertsShape (not an integer array of rank 3, ids out of range)."""
     data = _b64(encoded)
-    try:
+    buffer = io.BytesIO(data)
+    try:  # the header first: a shape the bytes cannot hold is refused before anything is allocated
+        version = np.lib.format.read_magic(buffer)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(buffer)
+        if dtype.hasobject:
+            raise ValueError("it holds pickled objects")
+        if math.prod(shape) * dtype.itemsize != len(data) - buffer.tell():
+            raise ValueError(f"its header says {shape} {dtype}, its data is {len(data) - buffer.tell()} bytes")
         array = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
         raise RoutedExpertsEncoding(f"routed experts are not a .npy array: {exc}") from None
-    if not isinstance(array, np.ndarray):  # an .npz archive: np.load hands back a mapping
-        raise RoutedExpertsEncoding("routed experts are not a .npy array")
     if array.dtype.kind not in "iu":
         raise RoutedExpertsShape(f"routed experts have dtype {array.dtype}; expert ids are integers")
     return _validated(array)

@@ -282,3 +282,15 @@ def test_malformed_sglang_experts_are_typed_errors():
     capture = capture_of(sglang_chat_answer(cut, where="sglext"), experts_shape=(SGL_LAYERS, K))
     assert capture.choices[0].routed_experts is None
     assert any("RoutedExpertsEncoding" in n for n in capture.notes)
+
+
+def test_sglang_start_len_skips_prompt_rows():
+    """SGLang's `routed_experts_start_len` = 2 (python/sglang/srt/managers/io_struct.py: the rows
+    cover [start_len, seqlen - 1)): the capture's prompt part starts at position 2."""
+    answer = sglang_chat_answer(sglang_experts(position_rows(range(2, P + R - 1))), where="sglext")
+    request = {"model": "m", "messages": [{"role": "user", "content": "q"}], "routed_experts_start_len": 2}
+    capture = capture_of(answer, request, experts_shape=(SGL_LAYERS, K))
+    (choice,) = capture.choices
+    assert not capture.notes
+    np.testing.assert_array_equal(choice.routed_experts, position_rows(range(P - 1, P + R - 1)))
+    np.testing.assert_array_equal(choice.prompt_routed_experts, position_rows(range(2, P - 1)))

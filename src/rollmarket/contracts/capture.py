@@ -74,7 +74,8 @@ class CapturedChoice(Record):
     prompt_routed_experts: RoutedExperts | None = Field(
         default=None,
         description="int16 [P-1, L, K]: the experts of prompt positions 0 .. P-2 (from vLLM's "
-        "`routed_experts_prompt_start` on, where the client set it), where the upstream returns them "
+        "`routed_experts_prompt_start` or SGLang's `routed_experts_start_len` on, where the client set "
+        "it), where the upstream returns them "
         "(vLLM and SGLang route the whole sequence; `rollmarket serve-model` the response only).",
     )
     prompt_token_ids: TokenIds | None = Field(

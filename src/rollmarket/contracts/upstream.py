@@ -8,7 +8,7 @@ SGLang send them as base64 bytes over every position the model was fed, prompt i
   (prompt + response − 1 − `routed_experts_prompt_start`, layers, top-k), dtype uint8, uint16 or
   int32. The last sampled token was never fed, so it has no row.
 - **SGLang** (`--enable-return-routed-experts`): base64 of raw int32 bytes without a shape, of
-  (prompt + response − 1, all hidden layers, top-k); dense layers of a MoE family hold −1. Recent
+  (prompt + response − 1 − `routed_experts_start_len`, all hidden layers, top-k); dense layers of a MoE family hold −1. Recent
   versions put it at the top of the answer (`sglext.routed_experts`, and in a last streamed chunk
   with no choices), older ones on the choice (`choices[i].sgl_ext.routed_experts`), and the
   choice's `meta_info` (`return_meta_info`) holds them too, beside `output_token_logprobs`
@@ -167,11 +167,13 @@ def read_choice_experts(value: object, *, prompt_tokens: int | None, response_to
 
 
 def read_sglang_experts(value: object, *, layers: int, top_k: int, prompt_tokens: int | None,
-                        response_tokens: int | None) -> SplitExperts:
+                        response_tokens: int | None, prompt_start: int = 0) -> SplitExperts:
     """SGLang's `sglext.routed_experts` (or the older `sgl_ext`) split into prompt and response parts,
-    given the model's MoE shape (every hidden layer x top-k). Raises RoutedExpertsError."""
+    given the model's MoE shape (every hidden layer x top-k). `prompt_start` is SGLang's
+    `routed_experts_start_len` (positions [start, seqlen - 1), as vLLM's prompt start). Raises
+    RoutedExpertsError."""
     return split(decode_sglang(value, layers, top_k), prompt_tokens=_count(prompt_tokens, "prompt"),
-                 response_tokens=_count(response_tokens, "response"))
+                 response_tokens=_count(response_tokens, "response"), prompt_start=prompt_start)
 
 
 def sglang_experts_field(body: dict, choice: dict) -> object:

@@ -319,7 +319,8 @@ def _packed_experts(choice: _Choice, prompt_ids: list[int] | None, experts_shape
             notes.append(f"{what}: SGLang routed experts present but --moe-shape not set; not recorded")
             return None
         return upstream.read_sglang_experts(sglang, layers=experts_shape[0], top_k=experts_shape[1],
-                                            prompt_tokens=prompt_tokens, response_tokens=len(choice.token_ids))
+                                            prompt_tokens=prompt_tokens, response_tokens=len(choice.token_ids),
+                                            prompt_start=prompt_start)
     except upstream.RoutedExpertsError as exc:
         notes.append(f"{what} routed_experts: {type(exc).__name__}: {str(exc)[:200]}")
         return None
@@ -399,7 +400,8 @@ def build_capture(draft: CaptureDraft, *, conversation_id: str, source: Conversa
     if prompt_ids is None:
         per_choice = [c.prompt_token_ids for c in draft.choices if c.prompt_token_ids]
         prompt_ids = per_choice[0] if per_choice else None
-    start = request.get("routed_experts_prompt_start", 0)
+    # vLLM's and SGLang's names for "leave out the first prompt positions"
+    start = request.get("routed_experts_prompt_start", request.get("routed_experts_start_len", 0))
     prompt_start = start if isinstance(start, int) and not isinstance(start, bool) else 0
     choices = [_choice_record(choice, prompt_ids, experts_shape, notes, prompt_start=prompt_start,
                               sgl_experts=draft.sgl_experts if choice.index == 0 else None)

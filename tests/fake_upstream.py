@@ -3,9 +3,9 @@
 It stands in for a real engine where the tests need behaviour no real engine shows on demand:
 a stream that breaks off, a slow stream, an upstream that refuses the extra fields, routed experts
 as the MoE engines pack them (neither runs here with them: vLLM's CPU build cannot return them,
-SGLang does not run on this CPU). `--sglang` answers as SGLang does (raw int32 base64 over every
-fed position, at the top of the answer in `sglext`, and in a last streamed chunk of its own); the
-model `packed` answers as vLLM does (a base64 `.npy` over every fed position on each whole
+SGLang does not run on this CPU). `--sglang` packs them as SGLang does (raw int32 base64 over every
+fed position and hidden layer, at the top of the answer in `sglext`, and in a last streamed chunk of
+its own; token ids stay vLLM's `return_token_ids`); the model `packed` packs them as vLLM does (a base64 `.npy` over every fed position on each whole
 answer's choice, as `vllm.utils.serial_utils.numpy2base64` writes it). Tokens are bytes (id = byte + 3) under a fixed chat template, so token ids
 decode to text without a tokenizer file. Run it as a process:
 

@@ -294,3 +294,24 @@ def test_sglang_start_len_skips_prompt_rows():
     assert not capture.notes
     np.testing.assert_array_equal(choice.routed_experts, position_rows(range(P - 1, P + R - 1)))
     np.testing.assert_array_equal(choice.prompt_routed_experts, position_rows(range(2, P - 1)))
+
+
+def test_the_model_client_asks_sglang_by_its_own_names():
+    """SGLang has no `return_token_ids`: the model client also asks `return_prompt_token_ids` and
+    `return_meta_info`, and reads the ids from what SGLang answers to them. (An in-process
+    transport answers as SGLang's serving_chat.py does: no SGLang runs here.)"""
+    def sglang(request: httpx.Request) -> httpx.Response:
+        asked = json.loads(request.content)
+        answer = sglang_chat_answer(sglang_experts(FED), where="sglext")
+        choice = answer["choices"][0]
+        if not asked.get("return_prompt_token_ids"):
+            del choice["prompt_token_ids"]
+        if not asked.get("return_meta_info"):
+            del choice["meta_info"]
+        return httpx.Response(200, json=answer)
+
+    with ChatModel("http://sglang.test/v1", model="m", transport=httpx.MockTransport(sglang),
+                   moe_shape=(SGL_LAYERS, K)) as model:
+        turn = model.complete([{"role": "user", "content": "q"}], [], Sampling(max_tokens=4))
+    assert turn.prompt_token_ids_P.tolist() == [1, 2, 3, 4] and turn.token_ids_R.tolist() == [11, 12, 13, 14]
+    np.testing.assert_array_equal(turn.routed_experts_RLK, position_rows(range(P - 1, P + R - 1)))

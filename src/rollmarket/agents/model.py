@@ -5,7 +5,7 @@ It speaks the OpenAI chat-completions API plus the RL extensions vLLM defines
 `return_routed_experts` → `routed_experts` on each choice: nested lists of the response's rows
 from `rollmarket serve-model`, vLLM's base64 `.npy` over prompt and response, read by
 `contracts.upstream`), so the same code runs against `rollmarket serve-model`, the capture proxy,
-or vLLM.
+or vLLM; and SGLang's spellings of them (`return_prompt_token_ids`, `return_meta_info`).
 """
 
 from __future__ import annotations
@@ -134,6 +134,10 @@ class ChatModel:
             body["stop"] = list(sampling.stop)
         if self.extensions:
             body["return_token_ids"] = True
+            # SGLang's names: it has no return_token_ids, and gives response ids only in meta_info
+            # (beside the logprobs). vLLM and our server ignore fields they do not know.
+            body["return_prompt_token_ids"] = True
+            body["return_meta_info"] = True
             if self.routed_experts:
                 body["return_routed_experts"] = True
         return body

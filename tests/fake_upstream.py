@@ -1,8 +1,12 @@
 """A small, deterministic OpenAI-compatible upstream that speaks the vLLM extensions.
 
 It stands in for a real engine where the tests need behaviour no real engine shows on demand:
-a stream that breaks off, a slow stream, an upstream that refuses the extra fields, SGLang's
-base64 routed experts. Tokens are bytes (id = byte + 3) under a fixed chat template, so token ids
+a stream that breaks off, a slow stream, an upstream that refuses the extra fields, routed experts
+as the MoE engines pack them (neither runs here with them: vLLM's CPU build cannot return them,
+SGLang does not run on this CPU). `--sglang` packs them as SGLang does (raw int32 base64 over every
+fed position and hidden layer, at the top of the answer in `sglext`, and in a last streamed chunk of
+its own; token ids stay vLLM's `return_token_ids`); the model `packed` packs them as vLLM does (a base64 `.npy` over every fed position on each whole
+answer's choice, as `vllm.utils.serial_utils.numpy2base64` writes it). Tokens are bytes (id = byte + 3) under a fixed chat template, so token ids
 decode to text without a tokenizer file. Run it as a process:
 
     python tests/fake_upstream.py --port 8123 [--refuse-experts] [--sglang]
@@ -14,6 +18,7 @@ import argparse
 import asyncio
 import base64
 import hashlib
+import io
 import json
 import time
 
@@ -57,6 +62,19 @@ def experts(token: int) -> list[list[int]]:
     return [[(token + layer) % EXPERTS, (token + layer + 1) % EXPERTS] for layer in range(LAYERS)]
 
 
+def fed_experts(prompt_ids: list[int], ids: list[int]) -> np.ndarray:
+    """int32 [P + R - 1, L, K]: row j is the step fed token j, which produced token j + 1."""
+    sequence = prompt_ids + ids
+    return np.asarray([experts(t) for t in sequence[1:]], "<i4").reshape(-1, LAYERS, TOP_K)
+
+
+def npy_base64(array: np.ndarray) -> str:
+    """vLLM's encoding (`numpy2base64`): the array's `.npy` file, base64."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def generate(prompt: str, seed: int, max_tokens: int) -> tuple[str, str]:
     """Deterministic words from the prompt and seed; ('text', finish_reason)."""
     digest = hashlib.sha256(f"{prompt}|{seed}".encode()).digest()
@@ -85,7 +103,7 @@ def create_app(*, refuse_experts: bool = False, sglang: bool = False) -> FastAPI
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "tests"}]}
 
     async def run(req: dict, chat: bool):
-        if req.get("model") not in (MODEL, "slow", "break"):
+        if req.get("model") not in (MODEL, "slow", "break", "packed"):
             return error(404, f"The model `{req.get('model')}` does not exist.", "model")
         if refuse_experts and req.get("return_routed_experts"):
             return error(400, "this server was started without routed-expert returns", "return_routed_experts")
@@ -136,12 +154,14 @@ def create_app(*, refuse_experts: bool = False, sglang: bool = False) -> FastAPI
             entry["logprobs"] = None
         if req.get("return_token_ids"):
             entry["token_ids"] = ids
-        if req.get("return_routed_experts"):
-            routed = [experts(t) for t in ids]
-            if sglang:
-                entry["sgl_ext"] = {"routed_experts": base64.b64encode(np.asarray(routed, "<i4").tobytes()).decode()}
-            else:
-                entry["routed_experts"] = routed
+        if req.get("return_routed_experts") and not sglang and req.get("model") != "packed":
+            entry["routed_experts"] = [experts(t) for t in ids]
+
+    def sglang_experts(prompt_ids: list[int], ids: list[int]) -> str:
+        """SGLang's routed experts: raw int32 over every hidden layer, a dense first layer of -1."""
+        routed = fed_experts(prompt_ids, ids)
+        dense = np.full((len(routed), 1, TOP_K), -1, "<i4")
+        return base64.b64encode(np.concatenate([dense, routed], axis=1).tobytes()).decode()
 
     def usage(prompt_ids: list[int], choices: list[dict]) -> dict:
         completion = sum(len(c["ids"]) for c in choices)
@@ -159,11 +179,15 @@ def create_app(*, refuse_experts: bool = False, sglang: bool = False) -> FastAPI
             extras(req, chat, c["ids"], 0, entry)
             if not chat and req.get("return_token_ids"):
                 entry["prompt_token_ids"] = prompt_ids
+            if req.get("return_routed_experts") and req.get("model") == "packed":
+                entry["routed_experts"] = npy_base64(fed_experts(prompt_ids, c["ids"]).astype(np.uint8))
             out.append(entry)
         body = {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": MODEL, "choices": out, "usage": usage(prompt_ids, choices)}
         if chat and req.get("return_token_ids"):
             body["prompt_token_ids"] = prompt_ids
+        if req.get("return_routed_experts") and sglang:  # the first choice's, as SGLang does
+            body["sglext"] = {"routed_experts": sglang_experts(prompt_ids, choices[0]["ids"])}
         return body
 
     async def stream(req: dict, chat: bool, prompt_ids: list[int], choices: list[dict]):
@@ -214,6 +238,9 @@ def create_app(*, refuse_experts: bool = False, sglang: bool = False) -> FastAPI
             last = {"index": i, "finish_reason": c["reason"]}
             last["delta" if chat else "text"] = {} if chat else ""
             yield event({**base, "choices": [last]})
+        if req.get("return_routed_experts") and sglang:
+            sglext = {"routed_experts": sglang_experts(prompt_ids, choices[0]["ids"])}
+            yield b"data: " + json.dumps({**base, "choices": [], "sglext": sglext}).encode() + b"\n\n"
         if with_usage:
             yield b"data: " + json.dumps({**base, "choices": [], "usage": usage(prompt_ids, choices)}).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"

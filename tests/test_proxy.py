@@ -532,18 +532,55 @@ def test_extras_an_upstream_refuses_are_dropped_once(workdir, start_proxy):
         upstream.stop()
 
 
-def test_sglang_flat_routed_experts_are_unpacked(workdir, start_proxy):
+def fed_rows(prompt_ids, response_ids) -> np.ndarray:
+    """The fake's experts for every fed position, computed here from its documented rule: the step
+    fed token j produced token j + 1, and token t routes to (t + layer + k) % 4."""
+    sequence = [*prompt_ids.tolist(), *response_ids.tolist()]
+    return np.array([[[(t + layer + k) % 4 for k in range(2)] for layer in range(2)] for t in sequence[1:]])
+
+
+def assert_split(capture: Capture) -> None:
+    """Prompt positions 0 .. P-2 as prompt_routed_experts, the last R rows as routed_experts."""
+    (choice,) = capture.choices
+    rows = fed_rows(capture.prompt_token_ids, choice.response_token_ids)
+    P = len(capture.prompt_token_ids)
+    assert len(rows) == P + choice.num_response_tokens - 1
+    np.testing.assert_array_equal(choice.prompt_routed_experts, rows[:P - 1])
+    np.testing.assert_array_equal(choice.routed_experts, rows[P - 1:])
+
+
+def test_sglang_routed_experts_are_unpacked_whole_and_streamed(workdir, start_proxy):
+    """SGLang's routed experts (raw int32 over every fed position and every hidden layer, in
+    `sglext`): split into prompt and response parts, the dense layer left out, and kept from the
+    client, whose stream does not get SGLang's last chunk."""
     port = free_port()
     upstream = Process([sys.executable, str(FAKE), "--port", str(port), "--sglang"], workdir / "fake-sgl.log", port).start()
     try:
-        proxy = start_proxy(upstream.url, "--moe-shape", "2x2")
-        proxy.client().chat.completions.create(model="fake-moe", messages=[{"role": "user", "content": "x"}])
-        (choice,) = only(proxy.since(0)).choices
-        assert_complete(choice, experts_LK=(2, 2))
-        assert choice.routed_experts[0].tolist() == [[(int(choice.response_token_ids[0]) + layer + k) % 4
-                                                     for k in range(2)] for layer in range(2)]
+        proxy = start_proxy(upstream.url, "--moe-shape", "3x2")
+        messages = [{"role": "user", "content": "x"}]
+        whole = proxy.client().chat.completions.create(model="fake-moe", messages=messages)
+        chunks = list(proxy.client().chat.completions.create(model="fake-moe", messages=messages, stream=True))
+        assert "sglext" not in (whole.model_extra or {})
+        assert not any("sglext" in (c.model_extra or {}) for c in chunks)
+        captures = proxy.since(0)
+        assert len(captures) == 2
+        for capture in captures:
+            assert_complete(capture.choices[0], experts_LK=(2, 2))
+            assert_split(capture)
+            assert not capture.notes
     finally:
         upstream.stop()
+
+
+def test_vllm_packed_routed_experts_are_split(fake_proxy):
+    """vLLM's routed experts (a base64 `.npy` over every fed position, on the choice): the capture
+    holds the response's rows and the prompt's, the client gets neither."""
+    mark = fake_proxy.mark()
+    answer = fake_proxy.client().chat.completions.create(model="packed", messages=[{"role": "user", "content": "y"}])
+    assert "routed_experts" not in (answer.choices[0].model_extra or {})
+    capture = only(fake_proxy.since(mark))
+    assert_complete(capture.choices[0], experts_LK=(2, 2))
+    assert_split(capture)
 
 
 # -- durability and export --------------------------------------------------------------------------

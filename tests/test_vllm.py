@@ -263,3 +263,109 @@ def test_the_proxy_records_vllm_whole_and_streamed(proxy, tokenizer, workdir):
         [choice] = line["choices"]
         assert choice["response_token_ids"] == capture.choices[0].response_token_ids.tolist()
         assert len(choice["logprobs"]) == len(choice["response_token_ids"]) > 0
+
+
+def test_the_proxy_keeps_vllm_prompt_logprobs(proxy, vllm, workdir):
+    """A client that asks vLLM for `prompt_logprobs` through the proxy gets them, and the capture
+    keeps each prompt token's logprob as vLLM gives it when asked directly (chat: at the top of the
+    answer; completions: on the choice); `captures export` writes them."""
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chat_body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4,
+                 "temperature": 0, "prompt_logprobs": 0}
+    completion_body = {"model": SERVED_NAME, "prompt": "Count: one, two,", "max_tokens": 4, "temperature": 0,
+                       "prompt_logprobs": 2}
+    before = len(captures(proxy))
+    chat = client.chat.completions.create(**{k: v for k, v in chat_body.items() if k != "prompt_logprobs"},
+                                          extra_body={"prompt_logprobs": 0})
+    completion = client.completions.create(**{k: v for k, v in completion_body.items() if k != "prompt_logprobs"},
+                                           extra_body={"prompt_logprobs": 2})
+    assert chat.model_extra["prompt_logprobs"][0] is None  # the client asked: it gets vLLM's answer
+    assert completion.choices[0].model_extra["prompt_logprobs"][0] is None
+    recorded = captures(proxy)[before:]
+    assert len(recorded) == 2
+    for capture, path, body in zip(recorded, ("/v1/chat/completions", "/v1/completions"), (chat_body, completion_body)):
+        direct = httpx.post(vllm.url + path, json={**body, "return_token_ids": True}, timeout=120).json()
+        choice = direct["choices"][0]
+        ids = direct.get("prompt_token_ids") or choice["prompt_token_ids"]
+        entries = direct.get("prompt_logprobs") or choice["prompt_logprobs"]
+        expected = [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], ids[1:])]
+        assert capture.prompt_token_ids.tolist() == ids and not capture.notes
+        assert capture.prompt_logprobs.shape == (len(ids) - 1,)
+        np.testing.assert_allclose(capture.prompt_logprobs, expected, atol=0.05)  # two bf16 batches apart
+    out = workdir / "export-prompt-logprobs.jsonl"
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "captures", "export", "--store", str(proxy.store.path),
+                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    exported = [json.loads(line) for line in out.read_text().splitlines()][before:]
+    for line, capture in zip(exported, recorded):
+        assert line["prompt_logprobs"] == capture.prompt_logprobs.tolist()
+
+
+# -- `rollmarket probe` against vLLM ------------------------------------------------------------------
+
+def what_vllm_gives(vllm) -> tuple[dict[str, str], dict]:
+    """Each capability's verdict, found here by asking vLLM directly (the probe's questions, plain
+    httpx), so that the probe's own reading is not its own judge; and the facts its evidence must show."""
+    from rollmarket.agents.probe import MAX_TOKENS, PROMPT, SEED, TOOL_MAX_TOKENS, WEATHER_TOOL
+
+    def post(path: str, **body) -> dict:
+        answer = httpx.post(vllm.url + "/v1" + path, json={"model": SERVED_NAME, **body}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    seeded = dict(messages=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED, logprobs=True, top_logprobs=2)
+    first, second = post("/chat/completions", **seeded), post("/chat/completions", **seeded)
+    entries = first["choices"][0]["logprobs"]["content"]
+    ids = post("/chat/completions", messages=PROMPT, max_tokens=MAX_TOKENS, return_token_ids=True)
+    experts = post("/chat/completions", messages=PROMPT, max_tokens=MAX_TOKENS, return_routed_experts=True)
+    scored = post("/completions", prompt="The sky is", max_tokens=1, prompt_logprobs=1)
+    tool = post("/chat/completions", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                max_tokens=TOOL_MAX_TOKENS, temperature=0.0)
+    with httpx.stream("POST", vllm.url + "/v1/chat/completions", timeout=120, json={
+            "model": SERVED_NAME, "messages": PROMPT, "max_tokens": MAX_TOKENS, "stream": True, "logprobs": True,
+            "return_token_ids": True}) as stream:
+        chunks = [json.loads(line[5:]) for line in stream.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    streamed = [c for chunk in chunks for c in chunk["choices"]]
+    prompt_logprobs = scored["choices"][0]["prompt_logprobs"]
+    facts = {"prompt_token_ids": ids["prompt_token_ids"], "tool_finish_reason": tool["choices"][0]["finish_reason"]}
+    return {
+        "chat": "yes" if first["choices"][0]["message"]["content"] is not None else "partial",
+        "completions": "yes" if isinstance(post("/completions", prompt="The sky is", max_tokens=MAX_TOKENS,
+                                                logprobs=1)["choices"][0]["text"], str) else "partial",
+        "prompt_token_ids": "yes" if len(ids["prompt_token_ids"]) == ids["usage"]["prompt_tokens"] else "partial",
+        "response_token_ids": "yes" if len(ids["choices"][0]["token_ids"]) == ids["usage"]["completion_tokens"]
+        else "partial",
+        "sampled_logprobs": "yes" if entries and all(isinstance(e["logprob"], float) for e in entries) else "no",
+        "top_logprobs": "yes" if all(len(e["top_logprobs"]) == 2 for e in entries) else "partial",
+        "routed_experts": "no" if experts["choices"][0].get("routed_experts") is None else "yes",
+        "prompt_logprobs": "yes" if len(prompt_logprobs) == scored["usage"]["prompt_tokens"] else "partial",
+        "seed_reproducible": "yes" if [e["token"] for e in entries] == [
+            e["token"] for e in second["choices"][0]["logprobs"]["content"]] else "no",
+        "tool_calls": "yes" if tool["choices"][0]["message"].get("tool_calls") else "partial",
+        "system_fingerprint": "yes" if first.get("system_fingerprint") else "no",
+        "streaming": "yes" if any(c.get("token_ids") for c in streamed)
+        and any((c.get("logprobs") or {}).get("content") for c in streamed) else "partial",
+    }, facts
+
+
+def test_the_probe_tells_what_vllm_gives(vllm, workdir):
+    """`rollmarket probe` against vLLM: every verdict is what vLLM gives when asked directly, and
+    the evidence is vLLM's (its prompt ids, its tool-call answer's finish)."""
+    out = workdir / "probe-vllm.json"
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "probe", vllm.url, "--json", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["model"] == SERVED_NAME
+    found = {c["name"]: c for c in report["capabilities"]}
+    expected, facts = what_vllm_gives(vllm)
+    assert {name: c["status"] for name, c in found.items()} == expected
+    assert found["prompt_token_ids"]["evidence"]["token_ids"] == facts["prompt_token_ids"]
+    if expected["tool_calls"] == "partial":
+        assert found["tool_calls"]["evidence"]["finish_reason"] == facts["tool_finish_reason"]
+        # tiny-moe opens a <tool_call> on vLLM and does not close it within the tokens asked
+        assert ("ran out of max_tokens" in found["tool_calls"]["detail"]) == (facts["tool_finish_reason"] == "length")
+    if expected["routed_experts"] == "no":  # vLLM answers `routed_experts: null`, not nothing
+        assert "enable-return-routed-experts" in found["routed_experts"]["detail"]

@@ -2,8 +2,10 @@
 
 It speaks the OpenAI chat-completions API plus the RL extensions vLLM defines
 (`return_token_ids` → `prompt_token_ids` on the response and `token_ids` on each choice;
-`return_routed_experts` → `routed_experts` on each choice), so the same code runs against
-`rollmarket serve-model`, the capture proxy, or vLLM.
+`return_routed_experts` → `routed_experts` on each choice: nested lists of the response's rows
+from `rollmarket serve-model`, vLLM's base64 `.npy` over prompt and response, read by
+`contracts.upstream`), so the same code runs against `rollmarket serve-model`, the capture proxy,
+or vLLM; and SGLang's spellings of them (`return_prompt_token_ids`, `return_meta_info`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from ..contracts import upstream
 
 
 class ModelCallError(Exception):
@@ -39,6 +43,8 @@ class ModelTurn:
     logprobs_R: np.ndarray | None
     routed_experts_RLK: np.ndarray | None
     reasoning: str | None = None
+    prompt_routed_experts_PLK: np.ndarray | None = None
+    """Prompt positions 0 .. P-2, where the engine returns them (vLLM); see `contracts.upstream`."""
     model: str = ""
     latency_s: float = 0.0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -67,12 +73,14 @@ class ChatModel:
 
     base_url ends before `/chat/completions` (e.g. ``http://127.0.0.1:8000/v1``). `model` None
     asks the server's `/v1/models` once. `extensions` adds the token-id and routed-expert
-    requests; turn it off for servers that reject unknown fields.
+    requests; turn it off for servers that reject unknown fields. `moe_shape` (hidden layers,
+    top-k) lets SGLang's shapeless routed experts be read.
     """
 
     def __init__(self, base_url: str, model: str | None = None, *, api_key: str | None = None,
                  timeout: float = 300.0, extensions: bool = True, routed_experts: bool = True,
-                 headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None):
+                 headers: dict[str, str] | None = None, transport: httpx.BaseTransport | None = None,
+                 moe_shape: tuple[int, int] | None = None):
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
@@ -87,6 +95,7 @@ class ChatModel:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self.extensions = extensions
         self.routed_experts = routed_experts
+        self.moe_shape = moe_shape
         self._model = model
 
     @property
@@ -125,6 +134,10 @@ class ChatModel:
             body["stop"] = list(sampling.stop)
         if self.extensions:
             body["return_token_ids"] = True
+            # SGLang's names: it has no return_token_ids, and gives response ids only in meta_info
+            # (beside the logprobs). vLLM and our server ignore fields they do not know.
+            body["return_prompt_token_ids"] = True
+            body["return_meta_info"] = True
             if self.routed_experts:
                 body["return_routed_experts"] = True
         return body
@@ -147,7 +160,7 @@ class ChatModel:
                                  context_overflow=overflow)
         try:
             data = answer.json()
-            return parse_turn(data, latency)
+            return parse_turn(data, latency, moe_shape=self.moe_shape)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ModelCallError(f"unusable chat completion: {type(exc).__name__}: {exc}") from None
 
@@ -161,8 +174,13 @@ def _error_message(answer: httpx.Response) -> str:
         return answer.text[:2000]
 
 
-def parse_turn(data: dict[str, Any], latency_s: float = 0.0) -> ModelTurn:
-    """The first choice of a chat completion, with the RL extensions as arrays where present."""
+def parse_turn(data: dict[str, Any], latency_s: float = 0.0, *, moe_shape: tuple[int, int] | None = None) -> ModelTurn:
+    """The first choice of a chat completion, with the RL extensions as arrays where present.
+
+    Raises ValueError (`contracts.upstream.RoutedExpertsError` for unreadable routed experts),
+    KeyError, IndexError or TypeError for an answer that is not a usable chat completion.
+    SGLang's spellings are read too (`contracts.upstream`): response ids from `meta_info`, and its
+    shapeless routed experts where `moe_shape` (every hidden layer, top-k) says how to cut them."""
     choice = data["choices"][0]
     message = choice.get("message") or {}
     content = message.get("content") or ""
@@ -177,16 +195,25 @@ def parse_turn(data: dict[str, Any], latency_s: float = 0.0) -> ModelTurn:
         calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
                       "function": {"name": str(fn.get("name", "")), "arguments": arguments}})
     ids = choice.get("token_ids")
+    if ids is None:
+        ids = upstream.sglang_output_ids(choice)
     prompt = data.get("prompt_token_ids", choice.get("prompt_token_ids"))
     entries = (choice.get("logprobs") or {}).get("content")
     logprobs = None if entries is None else np.asarray([e["logprob"] for e in entries], np.float32)
-    experts = choice.get("routed_experts")
+    usage = data.get("usage") or {}
+    counts = dict(prompt_tokens=len(prompt) if prompt is not None else usage.get("prompt_tokens"),
+                  response_tokens=len(ids) if ids is not None else usage.get("completion_tokens"))
+    experts = upstream.read_choice_experts(choice.get("routed_experts"), **counts)
+    sglang = upstream.sglang_experts_field(data, choice) if experts is None and moe_shape else None
+    if sglang is not None:
+        experts = upstream.read_sglang_experts(sglang, layers=moe_shape[0], top_k=moe_shape[1], **counts)
     return ModelTurn(
         content=content, tool_calls=calls, finish_reason=str(choice.get("finish_reason") or "stop"),
         prompt_token_ids_P=None if prompt is None else np.asarray(prompt, np.int32),
         token_ids_R=None if ids is None else np.asarray(ids, np.int32),
         logprobs_R=logprobs,
-        routed_experts_RLK=None if not experts else np.asarray(experts, np.int16),
+        routed_experts_RLK=None if experts is None else experts.response_RLK,
         reasoning=message.get("reasoning_content") or message.get("reasoning"),
+        prompt_routed_experts_PLK=None if experts is None else experts.prompt_PLK,
         model=str(data.get("model", "")), latency_s=latency_s, raw=data,
     )

@@ -5,7 +5,8 @@ httpx for the extensions it would refuse to type) and says, per capability, yes 
 with the evidence it saw. The extensions are probed under the names the RL engines use: vLLM's
 ``return_token_ids`` (``prompt_token_ids`` on the response, ``token_ids`` on each choice) and
 ``prompt_logprobs``; vLLM/SGLang's ``return_routed_experts`` (``routed_experts`` on the choice as
-a nested list, or SGLang's base64 in ``choices[i].sgl_ext.routed_experts``).
+nested lists or vLLM's base64 ``.npy``, or SGLang's base64 in ``sglext.routed_experts``; read by
+`contracts.upstream`).
 Our `serve-model` and the capture proxy answer the same names.
 
 A server that answers at all is probed to the end: a refused extension is a "no", not an error.
@@ -23,6 +24,8 @@ import httpx
 import openai
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..contracts import upstream
+
 Status = Literal["yes", "no", "partial"]
 
 CAPABILITIES = ("chat", "completions", "prompt_token_ids", "response_token_ids", "sampled_logprobs",
@@ -33,6 +36,7 @@ CAPABILITIES = ("chat", "completions", "prompt_token_ids", "response_token_ids",
 SEED = 1234
 MAX_TOKENS = 8
 TOP_LOGPROBS = 2
+TOOL_MAX_TOKENS = 64
 PROMPT = [{"role": "user", "content": "Say something random."}]
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -298,29 +302,40 @@ def _ids_cap(name: str, ids: Any, count: int | None) -> Capability:
 
 
 def _routed_experts(p: _Prober, model: str) -> Capability:
+    """return_routed_experts, in any engine's format (`contracts.upstream`): nested lists of the
+    response (ours), vLLM's base64 `.npy` over prompt and response (split by the usage counts), or
+    SGLang's shapeless base64 (seen, not unpacked: its shape is the model's)."""
     body, error = p.post("/chat/completions", {"model": model, "messages": PROMPT, "max_tokens": MAX_TOKENS,
                                                "return_routed_experts": True})
     if body is None:
         return _cap("routed_experts", "no", "return_routed_experts was refused", error=error)
     choice = _first_choice(body)
-    experts = choice.get("routed_experts", body.get("routed_experts"))
-    tokens = (body.get("usage") or {}).get("completion_tokens")
-    sgl_ext = choice.get("sgl_ext")
-    sglang = sgl_ext.get("routed_experts") if isinstance(sgl_ext, dict) else None
-    if experts is None and isinstance(sglang, str) and sglang:
-        return _cap("routed_experts", "yes", "sgl_ext.routed_experts: SGLang's base64 int32 without a shape "
-                    "(the proxy unpacks it with --moe-shape)", routed_experts=sglang)
-    if not isinstance(experts, list) or not experts:
+    value = choice.get("routed_experts", body.get("routed_experts"))
+    usage = body.get("usage") or {}
+    sglang = upstream.sglang_experts_field(body, choice)
+    if value is None and isinstance(sglang, str) and sglang:
+        return _cap("routed_experts", "yes", "SGLang's base64 int32 over prompt and response, without a shape "
+                    "(sglext.routed_experts; the proxy unpacks it with --moe-shape)", routed_experts=sglang)
+    try:
+        split = upstream.read_choice_experts(value, prompt_tokens=usage.get("prompt_tokens"),
+                                             response_tokens=usage.get("completion_tokens"))
+    except upstream.RoutedExpertsError as exc:
+        return _cap("routed_experts", "partial", f"routed_experts came back but cannot be read: "
+                    f"{type(exc).__name__}: {exc}", value=value if isinstance(value, str) else str(value)[:200])
+    if split is None and "routed_experts" in choice:
+        return _cap("routed_experts", "no", "routed_experts came back empty: the server knows the extension but "
+                    "recorded no routing (a dense model, or a server started without it, such as vLLM without "
+                    "--enable-return-routed-experts, which needs its GPU model runner)", value=value)
+    if split is None:
         return _cap("routed_experts", "no", "return_routed_experts=true gave no routed_experts "
-                    "(a dense model, or the server does not record routing)", value=experts)
-    shape = [len(experts), len(experts[0]) if isinstance(experts[0], list) else None,
-             len(experts[0][0]) if isinstance(experts[0], list) and experts[0] and isinstance(experts[0][0], list)
-             else None]
-    if tokens is not None and tokens != len(experts):
-        return _cap("routed_experts", "partial", f"{len(experts)} steps of experts for {tokens} tokens",
-                    shape=shape)
-    return _cap("routed_experts", "yes", "routed_experts [tokens][moe_layers][top_k]", shape=shape,
-                first_token=experts[0])
+                    "(a dense model, or the server does not record routing)", value=value)
+    response = split.response_RLK
+    packed = split.prompt_PLK is not None
+    return _cap("routed_experts", "yes",
+                "vLLM's base64 .npy over prompt and response, split at the prompt" if packed
+                else "routed_experts [tokens][moe_layers][top_k]",
+                shape=list(response.shape), first_token=response[0].tolist() if len(response) else None,
+                prompt_shape=list(split.prompt_PLK.shape) if packed else None)
 
 
 def _prompt_logprobs(p: _Prober, model: str) -> Capability:
@@ -329,6 +344,10 @@ def _prompt_logprobs(p: _Prober, model: str) -> Capability:
     if body is None:
         return _cap("prompt_logprobs", "no", "prompt_logprobs=1 was refused", error=error)
     found = _first_choice(body).get("prompt_logprobs", body.get("prompt_logprobs"))
+    prompt_tokens = (body.get("usage") or {}).get("prompt_tokens")
+    if isinstance(found, list) and any(found) and prompt_tokens not in (None, len(found)):
+        return _cap("prompt_logprobs", "partial", f"logprobs for {len(found)} positions of a {prompt_tokens}-token "
+                    "prompt", prompt_logprobs=found)
     if isinstance(found, list) and any(found):
         return _cap("prompt_logprobs", "yes", f"logprobs for {len(found)} prompt positions (prompt_logprobs)",
                     prompt_logprobs=found)
@@ -353,17 +372,23 @@ def _tool_calls(p: _Prober, model: str) -> Capability:
         body = p.client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            max_tokens=64, temperature=0.0).model_dump()
+            max_tokens=TOOL_MAX_TOKENS, temperature=0.0).model_dump()
     except openai.APIError as exc:
         return _cap("tool_calls", "no", "a request with tools and a named tool_choice was refused",
                     error=f"{type(exc).__name__}: {exc}")
-    message = _first_choice(body).get("message") or {}
+    choice = _first_choice(body)
+    message = choice.get("message") or {}
     calls = message.get("tool_calls")
     if calls:
         return _cap("tool_calls", "yes", "the named tool_choice gave a tool call", tool_calls=calls)
+    reason = choice.get("finish_reason")
+    if reason == "length":  # a call begun but not closed (tiny-moe on vLLM writes past 64 tokens)
+        return _cap("tool_calls", "partial", f"tools were accepted but the answer ran out of max_tokens "
+                    f"({TOOL_MAX_TOKENS}) before a tool call was complete", content=message.get("content"),
+                    finish_reason=reason)
     return _cap("tool_calls", "partial", "tools were accepted but the answer has no tool_calls "
                 "(the server does not force a named tool_choice, or the model did not call)",
-                content=message.get("content"))
+                content=message.get("content"), finish_reason=reason)
 
 
 def _streaming(p: _Prober, model: str) -> Capability:

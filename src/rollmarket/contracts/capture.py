@@ -71,6 +71,13 @@ class CapturedChoice(Record):
     routed_experts: RoutedExperts | None = Field(
         default=None, description="int16 [T, L, K]: top-k expert ids per MoE layer per response token."
     )
+    prompt_routed_experts: RoutedExperts | None = Field(
+        default=None,
+        description="int16 [P-1, L, K]: the experts of prompt positions 0 .. P-2 (from vLLM's "
+        "`routed_experts_prompt_start` or SGLang's `routed_experts_start_len` on, where the client set "
+        "it), where the upstream returns them "
+        "(vLLM and SGLang route the whole sequence; `rollmarket serve-model` the response only).",
+    )
     prompt_token_ids: TokenIds | None = Field(
         default=None,
         description="int32 [P]: set only where this choice's prompt differs from the call's "
@@ -133,6 +140,11 @@ class Capture(Record):
         "return_token_ids, return_routed_experts, stream_options.include_usage).",
     )
     prompt_token_ids: TokenIds | None = Field(default=None, description="int32 [P]: the prompt as the engine saw it.")
+    prompt_logprobs: Logprobs | None = Field(
+        default=None,
+        description="float32 [P-1]: the engine's logprob of prompt tokens 1 .. P-1, each given the tokens "
+        "before it, where the client asked the upstream for vLLM's `prompt_logprobs`.",
+    )
     choices: list[CapturedChoice] = Field(default_factory=list, max_length=MAX_ITEMS)
     usage: JsonObject | None = None
     status_code: int = Field(ge=100, le=599, description="The HTTP status the client received.")

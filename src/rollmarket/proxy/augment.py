@@ -90,6 +90,11 @@ def _strip_top(body: dict[str, Any], aug: Augmentation) -> None:
         body.pop("prompt_token_ids", None)
     if aug.routed_experts:
         body.pop("routed_experts", None)
+        ext = body.get("sglext")  # SGLang's answer-level extensions
+        if isinstance(ext, dict):
+            ext.pop("routed_experts", None)
+            if not ext:
+                body.pop("sglext")
     for choice in body.get("choices") or ():
         if isinstance(choice, dict):
             _strip_choice(choice, aug)
@@ -106,6 +111,9 @@ def strip_chunk(chunk: dict[str, Any], aug: Augmentation) -> dict[str, Any] | No
     whole chunk is the proxy's own (the usage chunk it asked for)."""
     if aug.usage and chunk.get("usage") is not None and not chunk.get("choices"):
         return None
+    if aug.routed_experts and not chunk.get("choices") and isinstance(chunk.get("sglext"), dict) \
+            and set(chunk["sglext"]) == {"routed_experts"}:
+        return None  # SGLang's last chunk that carries only the routed experts the proxy asked for
     if aug.usage:
         chunk.pop("usage", None)
     _strip_top(chunk, aug)

@@ -9,7 +9,6 @@ note on the record instead of a lost capture.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..contracts import upstream
 from ..contracts.arrays import LOGPROBS, ROUTED_EXPERTS, TOKEN_IDS, ArraySpec
 from ..contracts.capture import (
     Capture,
@@ -40,7 +40,7 @@ class _Choice:
     """What one choice has produced so far."""
 
     __slots__ = ("index", "content", "reasoning", "tool_calls", "finish_reason", "token_ids", "logprobs",
-                 "experts", "sgl_experts", "prompt_token_ids", "logprobs_missing")
+                 "experts", "packed_experts", "sgl_experts", "prompt_token_ids", "prompt_logprobs", "logprobs_missing")
 
     def __init__(self, index: int):
         self.index = index
@@ -51,8 +51,10 @@ class _Choice:
         self.token_ids: list[int] = []
         self.logprobs: list[float | None] = []
         self.experts: list[Any] = []
-        self.sgl_experts: str | None = None
+        self.packed_experts: Any = None  # vLLM's base64 .npy over the whole sequence
+        self.sgl_experts: Any = None
         self.prompt_token_ids: list[int] | None = None
+        self.prompt_logprobs: Any = None
         self.logprobs_missing = False
 
     def add_tool_calls(self, calls: list[Any], *, streamed: bool) -> None:
@@ -72,6 +74,8 @@ class _Choice:
 
     def add_extras(self, choice: dict[str, Any], *, chat: bool) -> None:
         ids = choice.get("token_ids")
+        if ids is None and "meta_info" in choice:  # SGLang's return_meta_info: ids beside the logprobs
+            ids = upstream.sglang_output_ids(choice)
         if ids:
             self.token_ids.extend(ids)
         logprobs = choice.get("logprobs")
@@ -84,14 +88,18 @@ class _Choice:
         elif ids:
             self.logprobs_missing = True
         experts = choice.get("routed_experts")
-        if experts:
+        if isinstance(experts, list):
             self.experts.extend(experts)
-        ext = choice.get("sgl_ext")
-        if isinstance(ext, dict) and isinstance(ext.get("routed_experts"), str):
-            self.sgl_experts = ext["routed_experts"]
+        elif experts is not None:
+            self.packed_experts = experts
+        sglang = upstream.sglang_experts_field({}, choice)
+        if sglang is not None:
+            self.sgl_experts = sglang
         prompt_ids = choice.get("prompt_token_ids")
         if prompt_ids:
             self.prompt_token_ids = prompt_ids
+        if choice.get("prompt_logprobs") is not None:
+            self.prompt_logprobs = choice["prompt_logprobs"]
         reason = choice.get("finish_reason")
         if reason is not None:
             self.finish_reason = reason
@@ -123,6 +131,9 @@ class CaptureDraft:
     usage: dict[str, Any] | None = None
     error: Any = None
     notes: list[str] = field(default_factory=list)
+    prompt_logprobs: Any = None
+    sgl_experts: Any = None
+    """SGLang's routed experts at the top of the answer (`sglext`), which are the first choice's."""
 
     @property
     def messages(self) -> list[Any] | None:
@@ -158,6 +169,8 @@ class CallRecorder:
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict[str, Any] | None = None
         self.error: Any = None
+        self.prompt_logprobs: Any = None
+        self.sgl_experts: Any = None
         self.notes: list[str] = []
         self.saw_output = False
         self._choices: dict[int, _Choice] = {}
@@ -178,6 +191,11 @@ class CallRecorder:
             self.usage = body["usage"]
         if body.get("error") is not None:
             self.error = body["error"]
+        if body.get("prompt_logprobs") is not None:  # vLLM's chat answer holds them at the top
+            self.prompt_logprobs = body["prompt_logprobs"]
+        ext = body.get("sglext")
+        if isinstance(ext, dict) and ext.get("routed_experts") is not None:
+            self.sgl_experts = ext["routed_experts"]
 
     def response(self, body: dict[str, Any]) -> None:
         """A whole (non-streamed) answer."""
@@ -231,6 +249,7 @@ class CallRecorder:
             prompt_token_ids=self.prompt_token_ids,
             choices=[self._choices[i] for i in sorted(self._choices)], usage=self.usage,
             error=error if error is not None else self.error, notes=self.notes,
+            prompt_logprobs=self.prompt_logprobs, sgl_experts=self.sgl_experts,
         )
 
 
@@ -254,25 +273,6 @@ def _array(spec: ArraySpec, values: Any, what: str, notes: list[str]) -> np.ndar
     except Exception as exc:  # one unreadable field is a note, never a lost capture
         notes.append(f"{what}: {str(exc).splitlines()[0][:200]}")
         return None
-
-
-def _sgl_experts(encoded: str, tokens: int, shape: tuple[int, int] | None, notes: list[str],
-                 what: str) -> Any:
-    """SGLang's flat base64 int32 routed experts as [T, L, K] for the last T (response) tokens."""
-    if shape is None:
-        notes.append(f"{what}: SGLang routed experts present but --moe-shape not set; not recorded")
-        return None
-    layers, top_k = shape
-    try:
-        flat = np.frombuffer(base64.b64decode(encoded), dtype="<i4")
-        experts = flat.reshape(-1, layers, top_k)[-tokens:] if tokens else flat.reshape(-1, layers, top_k)
-    except Exception as exc:
-        notes.append(f"{what}: unreadable SGLang routed experts ({exc})")
-        return None
-    dense = (experts < 0).all(axis=(0, 2))
-    if dense.any():  # layers without routed experts (-1 placeholders) are left out
-        experts = experts[:, ~dense, :]
-    return experts
 
 
 def _objects(values: Any, what: str, notes: list[str]) -> list[dict[str, Any]] | None:
@@ -303,8 +303,31 @@ def _fast_experts(experts: list) -> np.ndarray:
     return flat.reshape(T, L, K)
 
 
+def _packed_experts(choice: _Choice, prompt_ids: list[int] | None, experts_shape: tuple[int, int] | None,
+                    prompt_start: int, sgl_experts: Any, notes: list[str], what: str) -> upstream.SplitExperts | None:
+    """vLLM's or SGLang's routed experts over the whole sequence, cut into prompt and response
+    parts (`contracts.upstream`); None, with a note, when they cannot be read."""
+    sglang = choice.sgl_experts if choice.sgl_experts is not None else sgl_experts
+    if choice.packed_experts is None and sglang is None:
+        return None
+    prompt_tokens = len(prompt_ids) if prompt_ids else None
+    try:
+        if choice.packed_experts is not None:
+            return upstream.read_choice_experts(choice.packed_experts, prompt_tokens=prompt_tokens,
+                                                response_tokens=len(choice.token_ids), prompt_start=prompt_start)
+        if experts_shape is None:
+            notes.append(f"{what}: SGLang routed experts present but --moe-shape not set; not recorded")
+            return None
+        return upstream.read_sglang_experts(sglang, layers=experts_shape[0], top_k=experts_shape[1],
+                                            prompt_tokens=prompt_tokens, response_tokens=len(choice.token_ids),
+                                            prompt_start=prompt_start)
+    except upstream.RoutedExpertsError as exc:
+        notes.append(f"{what} routed_experts: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+
 def _choice_record(choice: _Choice, prompt_ids: list[int] | None, experts_shape: tuple[int, int] | None,
-                   notes: list[str]) -> CapturedChoice:
+                   notes: list[str], *, prompt_start: int = 0, sgl_experts: Any = None) -> CapturedChoice:
     """One choice as a record: arrays validated once on the usual path; field by field, with a
     note for each unreadable one, when that fails."""
     what = f"choice {choice.index}"
@@ -318,8 +341,13 @@ def _choice_record(choice: _Choice, prompt_ids: list[int] | None, experts_shape:
     )
     own_prompt = choice.prompt_token_ids if choice.prompt_token_ids and choice.prompt_token_ids != prompt_ids else None
     experts: Any = choice.experts or None
-    if experts is None and choice.sgl_experts is not None:
-        experts = _sgl_experts(choice.sgl_experts, len(choice.token_ids), experts_shape, notes, what)
+    prompt_experts = None
+    if experts is None:
+        packed = _packed_experts(choice, own_prompt or prompt_ids, experts_shape, prompt_start, sgl_experts,
+                                 notes, what)
+        if packed is not None:
+            experts, prompt_experts = packed.response_RLK, packed.prompt_PLK
+    scalars["prompt_routed_experts"] = prompt_experts
     tokens = len(choice.token_ids)
     if not choice.logprobs_missing and len(choice.logprobs) in (0, tokens) and (
             experts is None or len(experts) == tokens):
@@ -349,6 +377,20 @@ def _choice_record(choice: _Choice, prompt_ids: list[int] | None, experts_shape:
                           prompt_token_ids=_array(TOKEN_IDS, own_prompt, f"{what} prompt_token_ids", notes))
 
 
+def _prompt_logprobs(draft: CaptureDraft, prompt_ids: list[int] | None, notes: list[str]) -> np.ndarray | None:
+    """vLLM's prompt_logprobs of the call's prompt: at the top of a chat answer, on the choices of a
+    completions answer (the first whose prompt is the call's)."""
+    entries = draft.prompt_logprobs
+    if entries is None:
+        entries = next((c.prompt_logprobs for c in draft.choices if c.prompt_logprobs is not None
+                        and (not c.prompt_token_ids or c.prompt_token_ids == prompt_ids)), None)
+    try:
+        return upstream.read_prompt_logprobs(entries, prompt_ids)
+    except upstream.PromptLogprobsError as exc:
+        notes.append(f"prompt_logprobs: {str(exc)[:200]}; not recorded")
+        return None
+
+
 def build_capture(draft: CaptureDraft, *, conversation_id: str, source: ConversationSource,
                   parent: tuple[str, int] | None, experts_shape: tuple[int, int] | None = None) -> Capture:
     """The validated record of a draft, with its conversation resolved by the store."""
@@ -358,7 +400,12 @@ def build_capture(draft: CaptureDraft, *, conversation_id: str, source: Conversa
     if prompt_ids is None:
         per_choice = [c.prompt_token_ids for c in draft.choices if c.prompt_token_ids]
         prompt_ids = per_choice[0] if per_choice else None
-    choices = [_choice_record(choice, prompt_ids, experts_shape, notes) for choice in draft.choices]
+    # vLLM's and SGLang's names for "leave out the first prompt positions"
+    start = request.get("routed_experts_prompt_start", request.get("routed_experts_start_len", 0))
+    prompt_start = start if isinstance(start, int) and not isinstance(start, bool) else 0
+    choices = [_choice_record(choice, prompt_ids, experts_shape, notes, prompt_start=prompt_start,
+                              sgl_experts=draft.sgl_experts if choice.index == 0 else None)
+               for choice in draft.choices]
     messages = draft.messages
     recorded_messages = _objects(messages, "messages", notes)
     tools = request.get("tools")
@@ -383,6 +430,7 @@ def build_capture(draft: CaptureDraft, *, conversation_id: str, source: Conversa
         params=_params(request),
         augmented=draft.augmented,
         prompt_token_ids=_array(TOKEN_IDS, prompt_ids, "prompt_token_ids", notes),
+        prompt_logprobs=_prompt_logprobs(draft, prompt_ids, notes),
         choices=choices,
         usage=draft.usage if isinstance(draft.usage, dict) else None,
         status_code=draft.status_code,

@@ -51,8 +51,8 @@ class ProxySettings(BaseModel):
     write_batch_max: int = Field(default=256, ge=1, description="Most captures committed in one SQLite transaction.")
     moe_shape: str | None = Field(
         default=None, pattern=r"^\d+x\d+$",
-        description="MoE layers x top-k of the upstream model (e.g. 48x8); needed only to unpack SGLang's flat "
-        "base64 routed experts.",
+        description="Hidden layers x top-k of the upstream MoE model (e.g. 48x8: every layer, dense ones "
+        "included); needed only to unpack SGLang's shapeless base64 routed experts.",
     )
 
     @field_validator("upstream")

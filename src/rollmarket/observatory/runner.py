@@ -115,11 +115,11 @@ class _Run:
     valid_T: np.ndarray
     experts_TLK: np.ndarray | None
     boundaries: list[int]
-    produced_T: np.ndarray | None = None
-    """Tokens the rollout engine produced (router replay replays these; None: all of them)."""
     run: AgentTrajectory | None = None
     max_tokens: int | None = None
     trainer_logprobs: dict[str, np.ndarray] = field(default_factory=dict)
+    produced_T: np.ndarray | None = None
+    """Tokens the rollout engine produced (router replay replays these; None: all of them)."""
 
 
 def _stitched(run: AgentTrajectory) -> _Run | None:

@@ -234,3 +234,20 @@ def test_the_console_and_dashboard_show_replay_side_by_side(observed, tmp_path):
     assert [t["cell"]["router_flip_rate"]["mean"] == 0.0 for t in row["tiles"]] == [False, True, True]
     html = client.get(f"/runs/{run.name}").text
     assert html.count('data-testid="replay"') == 4  # two replay tiles in each of the two matrices
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", str(DENSE), "--trainer-engines", "bf16+replay"], "needs an MoE model"),
+    (["--model", str(MOE), "--trainer-engines", "fp32,bf16+rplay"], "unknown trainer engine 'bf16+rplay'"),
+])
+def test_observe_refuses_bad_replay_in_one_line_and_writes_nothing(tmp_path, args, needle):
+    import subprocess
+    import sys
+
+    runs = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "observe", *args, "--n", "1", "--runs-dir", str(runs)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and needle in line and "Traceback" not in done.stderr
+    assert not runs.exists()

@@ -48,7 +48,7 @@ EXPECTED: tuple[Expected, ...] = (
     Expected("rollmarket.train.loop", "TrainingError", FAILURE),
     Expected("rollmarket.observatory.engines", "EngineNameError", USAGE),
     Expected("rollmarket.observatory.engines", "ReplayUnavailable", USAGE,
-             "router replay needs an MoE model whose rollouts carry routed experts; drop the +replay trainer engines"),
+             "observe an MoE model (such as models/tiny-moe), or drop the +replay trainer engines"),
     Expected("rollmarket.research.campaign", "CampaignError", USAGE),
     Expected("rollmarket.research.campaign", "CampaignFailed", FAILURE,
              "read the failed runs' train.log; running the campaign again with the same --out resumes them"),

@@ -65,7 +65,8 @@ def observe(model, suite, split, rollout_engines, trainer_engines, router_replay
     from ..tasks.suites import check_suite
 
     check_suite(suite, split)
-    from ..observatory.runner import ObserveSettings, run_observatory
+    from ..observatory.engines import parse_trainer
+    from ..observatory.runner import ObserveSettings, check_replay, run_observatory
     from ..runs import new_run_dir
 
     def pairs(items, hint: str) -> dict[str, str]:
@@ -90,6 +91,8 @@ def observe(model, suite, split, rollout_engines, trainer_engines, router_replay
     for engine in elsewhere:
         if engine not in rollouts:
             rollouts.append(engine)
+    for name in _csv(trainer_engines):
+        parse_trainer(name)  # EngineNameError: one line naming the bad engine
     try:
         settings = ObserveSettings(
             model=model, suite=suite, split=split, rollout_engines=rollouts, trainer_engines=_csv(trainer_engines),
@@ -103,6 +106,7 @@ def observe(model, suite, split, rollout_engines, trainer_engines, router_replay
     if bad:
         raise click.BadParameter(f"unknown rollout engine(s) {bad}: precisions are {list(PRECISIONS)}; name others "
                                  "with --from-rollouts, --from-captures or --rollout-url")
+    check_replay(settings)  # before the run directory exists
     run_dir = new_run_dir(runs_dir)
     console.print(f"[bold]observe[/] {model}: rollout {settings.rollout_engines} × trainer "
                   f"{settings.trainer_engines}, n={n}, lengths {settings.lengths} → {run_dir}", highlight=False)

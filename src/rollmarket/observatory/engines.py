@@ -20,7 +20,7 @@ REPLAY_SUFFIX = "+replay"
 class EngineNameError(ValueError):
     """A trainer engine name that is not `[fsdp-]<precision>[+replay]`."""
 
-    fix = "trainer engines are [fsdp-]<precision>[+replay] with a precision of fp32, bf16, fp16, fp8"
+    fix = "name trainer engines like fp32,fsdp-bf16,bf16+replay (or add --router-replay for every +replay twin)"
 
 
 class ReplayUnavailable(ValueError):

@@ -460,6 +460,19 @@ def _write_jsonl(path: Path, records) -> None:
             handle.write(record.model_dump_json() + "\n")
 
 
+def check_replay(settings: ObserveSettings) -> None:
+    """ReplayUnavailable when a `+replay` trainer engine is asked of a model without routed experts
+    (read from its config.json: no torch, nothing written)."""
+    if not any(parse_trainer(t).replay for t in settings.trainer_engines):
+        return
+    from ..engines.provenance import model_config
+
+    config = model_config(Path(settings.model))
+    # Transformers' configs name the expert count differently per family (Qwen3-MoE: num_local_experts).
+    if not any(int(config.get(key) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ReplayUnavailable(f"router replay needs an MoE model; {settings.model} has no routed experts")
+
+
 def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress | None = None, *,
                     config_name: str = layout.CONFIG) -> ObservatoryMatrix:
     """Sample (or read), score, compare and write everything under `run_dir`; return the matrix.
@@ -467,14 +480,7 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
     The settings go to `config_name`; a run directory that already holds another run (a demo's
     training run) passes `layout.EMBEDDED_CONFIG` so that its own config.json stays.
     """
-    if any(parse_trainer(t).replay for t in settings.trainer_engines):
-        from ..engines.provenance import model_config
-
-        config = model_config(Path(settings.model))
-        # Transformers' configs name the expert count differently per family (Qwen3-MoE: num_local_experts).
-        if not any(int(config.get(key) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
-            raise ReplayUnavailable(f"router replay needs an MoE model; {settings.model} has no routed experts "
-                                    "(drop the +replay trainer engines)")
+    check_replay(settings)
     from datetime import datetime, timezone
 
     from transformers import AutoTokenizer

@@ -422,7 +422,7 @@ def _divergence(settings: ObserveSettings, a_name: str, b_name: str, runs_a: dic
         # Tying the split to tokens needs a trainer engine with b's numerics: only a precision profile has one
         # (an engine served elsewhere, such as vLLM, does not).
         if (step is None or step >= len(a.steps) or a.steps[step].response_token_ids is None
-                or b_name not in PRECISIONS):
+                or b_name not in PRECISIONS or b_name in settings.rollout_urls):
             reports.append(divergence_report(summary, task_id=a.task_id, engine_a=a_name, engine_b=b_name,
                                              sample_index=a.sample_index))
             continue
@@ -505,9 +505,11 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
             raw = runs_from_captures(settings.from_captures[rollout])
         else:  # a precision profile served here, or a server of settings.rollout_urls
             raw = sample_agent_runs(settings, rollout, tasks, progress)
-        # Length probes need the engine itself: only for rollout engines that are precision profiles.
+        # Length probes need the engine itself: only for rollout engines that are precision profiles (a
+        # server elsewhere is not the embedded engine, whatever its name).
         probes[rollout] = (sample_probes(settings, rollout, tasks, progress)
-                           if settings.lengths and rollout in PRECISIONS else [])
+                           if settings.lengths and rollout in PRECISIONS and rollout not in settings.rollout_urls
+                           else [])
         _write_jsonl(layout.trajectories_path(run_dir, rollout), raw)
         agent_runs[rollout] = [r for r in (_stitched(run) for run in raw) if r is not None]
     cells, points, positions = [], [], []

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..observatory.console import print_matrix
+from ..observatory.engines import PRECISIONS
 from .options import ModelDir
 
 console = Console(stderr=True)
@@ -30,7 +31,10 @@ def _csv(value: str) -> list[str]:
               help="Precision profiles to sample at, comma-separated (left at the default with --from-*: "
                    "only the given sources).")
 @click.option("--trainer-engines", default="fp32,bf16,fsdp-bf16", show_default=True,
-              help="Engines that teacher-force: a precision, or fsdp-<precision> (FSDP2 over --fsdp-world-size ranks).")
+              help="Engines that teacher-force: a precision, or fsdp-<precision> (FSDP2 over --fsdp-world-size ranks); "
+                   "<engine>+replay replays the rollout's routed experts (router replay, R3).")
+@click.option("--router-replay", is_flag=True,
+              help="Put each trainer engine's +replay twin beside it: every cell with and without router replay.")
 @click.option("--n", default=30, show_default=True, type=click.IntRange(1), help="Agent runs per rollout engine.")
 @click.option("--lengths", default="128,512,2048", show_default=True,
               help="Length probes: responses sampled to exactly these lengths ('' for none).")
@@ -48,16 +52,21 @@ def _csv(value: str) -> list[str]:
 @click.option("--from-captures", "from_captures", multiple=True, metavar="ENGINE=STORE",
               help="Use the conversations a capture proxy recorded (`rollmarket proxy --store STORE`, in front of "
                    "vLLM, SGLang or our server) as rollout engine ENGINE. Repeatable.")
+@click.option("--rollout-url", "rollout_urls", multiple=True, metavar="ENGINE=URL",
+              help="Sample rollout engine ENGINE from an OpenAI-compatible server serving --model (vLLM, SGLang, "
+                   "rollmarket serve-model), as `rollmarket worker --model-url` does. Repeatable.")
 @click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
-def observe(model, suite, split, rollout_engines, trainer_engines, n, lengths, length_n, max_steps, max_tokens,
-            temperature, seed, device, concurrency, fsdp_world_size, from_rollouts, from_captures, runs_dir) -> None:
+def observe(model, suite, split, rollout_engines, trainer_engines, router_replay, n, lengths, length_n, max_steps,
+            max_tokens, temperature, seed, device, concurrency, fsdp_world_size, from_rollouts, from_captures,
+            rollout_urls, runs_dir) -> None:
     """Sample agent runs on each rollout engine, teacher-force the same token ids on each trainer
     engine, and write per-trajectory reports, the matrix with bootstrap intervals, length scaling
     and agent divergence to runs/<stamp>-<id>/. Then: rollmarket dashboard --runs RUNS_DIR."""
     from ..tasks.suites import check_suite
 
     check_suite(suite, split)
-    from ..observatory.runner import ObserveSettings, run_observatory
+    from ..observatory.engines import parse_trainer
+    from ..observatory.runner import ObserveSettings, check_replay, run_observatory
     from ..runs import new_run_dir
 
     def pairs(items, hint: str) -> dict[str, str]:
@@ -71,23 +80,33 @@ def observe(model, suite, split, rollout_engines, trainer_engines, n, lengths, l
 
     sources = pairs(from_rollouts, "--from-rollouts")
     captured = pairs(from_captures, "--from-captures")
-    rollouts = _csv(rollout_engines) if not (sources or captured) or rollout_engines != _DEFAULT_ROLLOUTS else []
-    for engine in [*sources, *captured]:
+    urls = {}
+    for item in rollout_urls:
+        engine, _, url = item.partition("=")
+        if not engine or not url.startswith(("http://", "https://")):
+            raise click.BadParameter(f"{item!r}: expected ENGINE=http(s)://HOST:PORT/v1", param_hint="--rollout-url")
+        urls[engine] = url
+    elsewhere = [*sources, *captured, *urls]
+    rollouts = _csv(rollout_engines) if not elsewhere or rollout_engines != _DEFAULT_ROLLOUTS else []
+    for engine in elsewhere:
         if engine not in rollouts:
             rollouts.append(engine)
+    for name in _csv(trainer_engines):
+        parse_trainer(name)  # EngineNameError: one line naming the bad engine
     try:
         settings = ObserveSettings(
             model=model, suite=suite, split=split, rollout_engines=rollouts, trainer_engines=_csv(trainer_engines),
-            n=n, lengths=[int(x) for x in _csv(lengths)], length_n=length_n, max_steps=max_steps,
-            max_tokens=max_tokens, temperature=temperature, seed=seed, device=device, concurrency=concurrency,
-            fsdp_world_size=fsdp_world_size, from_rollouts=sources, from_captures=captured)
+            router_replay=router_replay, n=n, lengths=[int(x) for x in _csv(lengths)], length_n=length_n,
+            max_steps=max_steps, max_tokens=max_tokens, temperature=temperature, seed=seed, device=device,
+            concurrency=concurrency, fsdp_world_size=fsdp_world_size, from_rollouts=sources, from_captures=captured,
+            rollout_urls=urls)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    known = {"fp32", "bf16", "fp16", "fp8"}
-    bad = [e for e in settings.rollout_engines if e not in known and e not in sources and e not in captured]
-    bad += [e for e in settings.trainer_engines if e.removeprefix("fsdp-") not in known]
+    bad = [e for e in settings.rollout_engines if e not in PRECISIONS and e not in elsewhere]
     if bad:
-        raise click.BadParameter(f"unknown engine(s) {bad}; precisions are {sorted(known)}, trainers may be fsdp-<p>")
+        raise click.BadParameter(f"unknown rollout engine(s) {bad}: precisions are {list(PRECISIONS)}; name others "
+                                 "with --from-rollouts, --from-captures or --rollout-url")
+    check_replay(settings)  # before the run directory exists
     run_dir = new_run_dir(runs_dir)
     console.print(f"[bold]observe[/] {model}: rollout {settings.rollout_engines} × trainer "
                   f"{settings.trainer_engines}, n={n}, lengths {settings.lengths} → {run_dir}", highlight=False)

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from .base import Record
 from .budget import RolloutCorrFigures
-from .limits import MAX_ITEMS, MAX_LAYERS, Count, Key, Name, Text, TokenCount
+from .limits import MAX_ITEMS, MAX_LAYERS, Count, Key, Message, Name, Text, TokenCount
 
 
 class WorstToken(Record):
@@ -146,6 +146,13 @@ class MatrixCell(Record):
     low_n: bool = Field(description="True when n < 30: the tile says so.")
     rollout_corr: RolloutCorrFigures | None = Field(
         default=None, description="verl's rollout_corr figures with the cell's trajectories as the batch (C = 2, token).")
+    router_replay: bool = Field(
+        default=False, description="The trainer engine replayed the rollout's routed experts (R3, `<engine>+replay`): "
+                                   "its router flips are zero by construction; the cell beside it is the same engine "
+                                   "routing by itself.")
+    absent: Message | None = Field(
+        default=None, description="Why the cell has no numbers (n = 0): e.g. a replay cell whose rollout engine "
+                                  "returned no routed experts.")
 
 
 class LengthPoint(Record):

@@ -152,6 +152,14 @@ METRICS: list[MetricDoc] = [
               meaning="How far the tile's mean could move with other trajectories; shown as [lo, hi] under it."),
     MetricDoc(name="tokens", title="Cell tokens", group="aggregate", formula="Σ n_tokens over the cell",
               meaning="The router tile's 'tok': the denominator of its flip rate."),
+    MetricDoc(name="router_replay", title="Router replay (R3)", group="aggregate",
+              formula="the trainer engine `<engine>+replay` routes each produced token to the rollout's top-k experts",
+              meaning="A replay cell sits beside the same engine without replay: what mismatch is left once routing "
+                      "cannot differ. Its router flip rate, measured from the experts the forward used, is 0 by "
+                      "construction."),
+    MetricDoc(name="absent", title="Absent cell", group="aggregate", formula="n = 0, with the reason",
+              meaning="Why a cell has no numbers: e.g. a replay cell of a rollout engine that returned no routed "
+                      "experts (vLLM on the CPU)."),
     MetricDoc(name="rollout_corr", title="verl's rollout_corr figures", group="aggregate",
               formula="verl's rollout_is_eff_sample_size (weights clipped to [1/C, C], C = 2), "
                       "rollout_is_ratio_fraction_high/_low, kl, k3_kl, chi2_token, chi2_seq and the ppl figures, "

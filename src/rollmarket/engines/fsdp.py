@@ -63,28 +63,31 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
-def _plan_batches(pairs: list[tuple[np.ndarray, np.ndarray]], max_batch_tokens: int
-                  ) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """The same packing as ``TrainerEngine.score_batch``: in order, padded size ≤ the budget."""
-    batches: list[list[tuple[np.ndarray, np.ndarray]]] = []
-    batch: list[tuple[np.ndarray, np.ndarray]] = []
+def _plan_batches(pairs: list[tuple[np.ndarray, np.ndarray]], max_batch_tokens: int) -> list[list[int]]:
+    """The same packing as ``TrainerEngine.score_batch``: in order, padded size ≤ the budget (as
+    indices into ``pairs``, so replayed experts travel with their pairs)."""
+    batches: list[list[int]] = []
+    batch: list[int] = []
     longest = 0
-    for prompt_P, response_T in pairs:
+    for i, (prompt_P, response_T) in enumerate(pairs):
         length = prompt_P.size + response_T.size
         if batch and max(longest, length) * (len(batch) + 1) > max_batch_tokens:
             batches.append(batch)
             batch, longest = [], 0
-        batch.append((prompt_P, response_T))
+        batch.append(i)
         longest = max(longest, length)
     if batch:
         batches.append(batch)
     return batches
 
 
-def _as_arrays(pairs: list[tuple], max_context_tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def _as_arrays(pairs: list[tuple], max_context_tokens: int, replays: list | None = None
+               ) -> list[tuple[np.ndarray, np.ndarray]]:
     """int64 arrays, with the single-process engine's checks (run before any collective)."""
+    if replays is not None and len(replays) != len(pairs):
+        raise ValueError(f"{len(replays)} replayed expert arrays for {len(pairs)} pairs")
     out = []
-    for prompt, response in pairs:
+    for i, (prompt, response) in enumerate(pairs):
         prompt_P = np.asarray(prompt, dtype=np.int64).reshape(-1)
         response_T = np.asarray(response, dtype=np.int64).reshape(-1)
         if prompt_P.size == 0:
@@ -93,6 +96,8 @@ def _as_arrays(pairs: list[tuple], max_context_tokens: int) -> list[tuple[np.nda
         if length > max_context_tokens:
             raise ValueError(f"prompt + response of {length} tokens exceeds the context of "
                              f"{max_context_tokens}")
+        if replays is not None and replays[i] is not None and len(replays[i]) != response_T.size:
+            raise ValueError(f"{len(replays[i])} rows of replayed experts for {response_T.size} response tokens")
         out.append((prompt_P, response_T))
     return out
 
@@ -173,8 +178,11 @@ class FSDPTrainerEngine:
         return tensor.tolist()
 
     @torch.no_grad()
-    def score_local(self, pairs: list[tuple], *, temperature: float = 1.0) -> list[TeacherForced]:
+    def score_local(self, pairs: list[tuple], *, temperature: float = 1.0,
+                    replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         """Score this rank's pairs (each rank may pass different ones, or none).
+
+        ``replayed_experts``: router replay (R3) per pair, as ``TrainerEngine.score_batch`` takes it.
 
         Ranks run the same number of forward passes (FSDP's all-gathers are collective): a rank
         with fewer micro-batches runs one-token passes until the others are done. Bad input on
@@ -182,7 +190,7 @@ class FSDPTrainerEngine:
         """
         error = None
         try:
-            arrays = _as_arrays(pairs, self.info.max_context_tokens)
+            arrays = _as_arrays(pairs, self.info.max_context_tokens, replayed_experts)
         except ValueError as exc:
             error, arrays = exc, []
         batches = _plan_batches(arrays, self._local.max_batch_tokens)
@@ -192,30 +200,35 @@ class FSDPTrainerEngine:
         forward = getattr(self.loaded.model, _FORWARD_METHOD)
         out: list[TeacherForced] = []
         for batch in batches:
-            out.extend(forward(batch, temperature))
+            replays = None if replayed_experts is None else [replayed_experts[i] for i in batch]
+            out.extend(forward([arrays[i] for i in batch], temperature, replays))
         idle = [(np.zeros(1, np.int64), np.zeros(1, np.int64))]
         for _ in range(int(rounds) - len(batches)):
             forward(idle, temperature)
         return out
 
     @torch.no_grad()
-    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0) -> list[TeacherForced]:
-        """Every rank passes the same pairs; rank 0 gets all results in input order."""
+    def score_batch(self, pairs: list[tuple], *, temperature: float = 1.0,
+                    replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
+        """Every rank passes the same pairs (and replayed experts, if any); rank 0 gets all results
+        in input order."""
         error = None
         try:
-            arrays = _as_arrays(pairs, self.info.max_context_tokens)
+            arrays = _as_arrays(pairs, self.info.max_context_tokens, replayed_experts)
         except ValueError as exc:
             error, arrays = exc, []
         lengths = [p.size + r.size for p, r in arrays]
-        facts = [float(len(arrays)), float(sum(lengths)), float(temperature)]
+        facts = [float(len(arrays)), float(sum(lengths)), float(temperature), float(replayed_experts is not None)]
         highs = self._all_max(facts + [-x for x in facts] + [float(error is not None)])
         if highs[-1]:
             raise error or ValueError("another rank rejected its teacher-forcing input")
-        if highs[:3] != [-x for x in highs[3:6]]:
+        if highs[:4] != [-x for x in highs[4:8]]:
             raise ValueError("score_batch is collective: every rank must pass the same pairs and "
                              "temperature (use score_local for per-rank inputs)")
         mine = assign_to_ranks(lengths, self.world_size)[self.rank]
-        results = self.score_local([arrays[i] for i in mine], temperature=temperature)
+        results = self.score_local([arrays[i] for i in mine], temperature=temperature,
+                                   replayed_experts=None if replayed_experts is None
+                                   else [replayed_experts[i] for i in mine])
         gathered: list | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object((mine, results), gathered, dst=0)
         if self.rank != 0:
@@ -268,7 +281,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, model_path: str
         engine = FSDPTrainerEngine.from_path(model_path, precision, chunk=payload["chunk"],
                                              max_batch_tokens=payload["max_batch_tokens"])
         if job == "score":
-            result = engine.score_batch(payload["pairs"], temperature=payload["temperature"])
+            result = engine.score_batch(payload["pairs"], temperature=payload["temperature"],
+                                        replayed_experts=payload.get("replayed_experts"))
         else:
             result = engine.fingerprint()
         if rank == 0:
@@ -314,17 +328,19 @@ def _launch(model_path, precision, job: str, payload: dict, world_size: int, bac
 
 def score_with_fsdp(model_path, precision: str | Precision, pairs: list[tuple], *,
                     world_size: int = 2, backend: str | None = None, temperature: float = 1.0,
-                    chunk: int = 1024, max_batch_tokens: int = 16384) -> list[TeacherForced]:
+                    chunk: int = 1024, max_batch_tokens: int = 16384,
+                    replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
     """Teacher-force ``pairs`` on ``world_size`` spawned FSDP ranks; results in input order.
 
+    ``replayed_experts``: router replay (R3) per pair, as ``TrainerEngine.score_batch`` takes it.
     ``backend`` defaults to NCCL (one process per GPU) when CUDA is available, else gloo on the
     CPU. Input is checked here, before any process starts.
     """
     config = json.loads((_checked_root(model_path) / "config.json").read_text())
     # The same default as ``loading.describe``, so the check here is the engine's own.
-    arrays = _as_arrays(pairs, int(config.get("max_position_embeddings", 4096)))
+    arrays = _as_arrays(pairs, int(config.get("max_position_embeddings", 4096)), replayed_experts)
     payload = dict(pairs=arrays, temperature=float(temperature), chunk=chunk,
-                   max_batch_tokens=max_batch_tokens)
+                   max_batch_tokens=max_batch_tokens, replayed_experts=replayed_experts)
     return _launch(model_path, precision, "score", payload, world_size, backend)
 
 

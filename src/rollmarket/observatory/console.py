@@ -19,8 +19,11 @@ def flip_band(value: float | None) -> str:
 
 
 def print_matrix(matrix, out: Console) -> None:
-    """The dense and router matrices as tables: token ESS [95% interval] and mean |Δlogp| per tile."""
-    dense = Table(title=f"token ESS (mean |Δlogp|) — rows: rollout engine, columns: trainer engine, {matrix.model}")
+    """The dense and router matrices as tables: token ESS [95% interval], mean |Δlogp| and k3 per
+    tile; a `+replay` trainer engine (router replay) sits beside the same engine without it, and a
+    cell with no numbers says why."""
+    dense = Table(title=f"token ESS (mean |Δlogp|, k3) — rows: rollout engine, columns: trainer engine "
+                        f"(+replay: router replay), {matrix.model}")
     dense.add_column("rollout \\ trainer")
     for t in matrix.trainer_engines:
         dense.add_column(t, justify="right")
@@ -31,14 +34,16 @@ def print_matrix(matrix, out: Console) -> None:
             c = cells[(r, t)]
             e = c.token_ess
             if e.mean is None:
-                row.append("-")
+                row.append(f"[dim]absent: {c.absent}[/]" if c.absent else "-")
                 continue
             row.append(f"[{ess_band(e.mean)}]{e.mean:.4f}[/] [{e.lo:.4f}, {e.hi:.4f}]\n"
-                       f"|Δ| {c.mean_abs_delta.mean:.2e}  n={c.n}{' (n<30)' if c.low_n else ''}")
+                       f"|Δ| {c.mean_abs_delta.mean:.2e}  k3 {c.kl_k3.mean:.2e}\n"
+                       f"n={c.n}{' (n<30)' if c.low_n else ''}")
         dense.add_row(*row, end_section=True)
     out.print(dense)
     if any(c.router_flip_rate is not None for c in matrix.cells):
-        router = Table(title="router flip rate (top-1 expert differs per token and MoE layer)")
+        router = Table(title="router flip rate (top-1 expert differs per token and MoE layer; +replay: measured "
+                             "from the experts the replayed forward used, zero by construction)")
         router.add_column("rollout \\ trainer")
         for t in matrix.trainer_engines:
             router.add_column(t, justify="right")
@@ -47,7 +52,7 @@ def print_matrix(matrix, out: Console) -> None:
             for t in matrix.trainer_engines:
                 f = cells[(r, t)].router_flip_rate
                 c = cells[(r, t)]
-                row.append("-" if f is None or f.mean is None else
+                row.append(("[dim]absent[/]" if c.absent else "-") if f is None or f.mean is None else
                            f"[{flip_band(f.mean)}]{f.mean:.2%}[/] [{f.lo:.2%}, {f.hi:.2%}]\n"
                            f"{c.tokens} tok, worst layer {c.worst_layer}")
             router.add_row(*row, end_section=True)

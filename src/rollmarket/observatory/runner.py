@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..contracts import (
     AgentDivergenceReport,
@@ -44,10 +44,9 @@ from ..contracts import (
     WorstToken,
 )
 from . import layout
+from .engines import PRECISIONS, ReplayUnavailable, parse_trainer, with_replay_twins
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 
 Progress = Callable[[str, int, int], None]
 """progress(stage, done, total): the CLI draws bars from it; the library prints nothing."""
@@ -62,7 +61,10 @@ class ObserveSettings(BaseModel):
     rollout_engines: list[str] = Field(default_factory=lambda: ["fp32", "bf16", "fp16", "fp8"],
                                        description="Precision profiles the rollouts are sampled at.")
     trainer_engines: list[str] = Field(default_factory=lambda: ["fp32", "bf16", "fsdp-bf16"],
-                                       description="Engines that teacher-force: a precision, or fsdp-<precision>.")
+                                       description="Engines that teacher-force: [fsdp-]<precision>[+replay] "
+                                                   "(`observatory/engines.py`).")
+    router_replay: bool = Field(False, description="Put each trainer engine's router-replay twin (`<engine>+replay`) "
+                                                   "beside it, so every cell is shown with and without replay.")
     n: int = Field(30, ge=1, description="Agent runs per rollout engine (one per task).")
     lengths: list[int] = Field(default_factory=lambda: [128, 512, 2048],
                                description="Response lengths of the length probes (sampled to exactly L tokens).")
@@ -82,6 +84,24 @@ class ObserveSettings(BaseModel):
         default_factory=dict,
         description="Rollout engine name -> a capture store (`rollmarket proxy --store`): each captured "
                     "conversation becomes one run (any engine behind the proxy: vLLM, SGLang, ...).")
+    rollout_urls: dict[str, str] = Field(
+        default_factory=dict,
+        description="Rollout engine name -> an OpenAI-compatible server serving --model (vLLM, SGLang, "
+                    "`rollmarket serve-model`), e.g. {'vllm': 'http://127.0.0.1:8000/v1'}: the agent runs are "
+                    "sampled from it with the worker's client (`rollmarket worker --model-url`).")
+
+    @field_validator("trainer_engines")
+    @classmethod
+    def _trainer_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            parse_trainer(name)  # EngineNameError names the bad one
+        return names
+
+    @model_validator(mode="after")
+    def _replay_twins(self) -> "ObserveSettings":
+        if self.router_replay:
+            self.trainer_engines = with_replay_twins(self.trainer_engines)
+        return self
 
 
 @dataclass
@@ -98,6 +118,8 @@ class _Run:
     run: AgentTrajectory | None = None
     max_tokens: int | None = None
     trainer_logprobs: dict[str, np.ndarray] = field(default_factory=dict)
+    produced_T: np.ndarray | None = None
+    """Tokens the rollout engine produced (router replay replays these; None: all of them)."""
 
 
 def _stitched(run: AgentTrajectory) -> _Run | None:
@@ -111,7 +133,8 @@ def _stitched(run: AgentTrajectory) -> _Run | None:
         return None
     valid = view.action_mask_T.astype(bool) & ~view.tool_output_mask_T.astype(bool)
     return _Run(layout.trajectory_id(run.task_id, run.sample_index), view.prompt_token_ids_P,
-                view.response_token_ids_T, view.logprobs_T, valid, view.routed_experts_TLK, view.turn_boundaries, run)
+                view.response_token_ids_T, view.logprobs_T, valid, view.routed_experts_TLK, view.turn_boundaries, run,
+                produced_T=view.action_mask_T.astype(bool))
 
 
 def _task_seed(seed: int, task_id: str) -> int:
@@ -120,14 +143,18 @@ def _task_seed(seed: int, task_id: str) -> int:
     return task_seed(seed, task_id)
 
 
-def sample_agent_runs(settings: ObserveSettings, precision: str, tasks: list[TaskSpec],
+def sample_agent_runs(settings: ObserveSettings, rollout: str, tasks: list[TaskSpec],
                       progress: Progress | None = None) -> list[AgentTrajectory]:
-    """Run the agent once per task against the model at `precision` (served on loopback)."""
+    """Run the agent once per task against rollout engine `rollout`: the model at that precision
+    served on loopback, or the server of `settings.rollout_urls[rollout]` through the worker's
+    RemoteHost (the model directory it serves is `settings.model`)."""
     from ..agents import Agent, AgentSettings, ChatModel, LocalToolbox, Sampling
     from ..verifiers import verify_trajectory
-    from ..worker.host import EmbeddedHost
+    from ..worker.host import EmbeddedHost, RemoteHost
 
-    host = EmbeddedHost(settings.model, precision, settings.device)
+    url = settings.rollout_urls.get(rollout)
+    host = (RemoteHost(url, model_dir=settings.model) if url is not None
+            else EmbeddedHost(settings.model, rollout, settings.device))
     try:
         agent = Agent(ChatModel(host.url, host.identity().model_name), LocalToolbox(),
                       AgentSettings(max_steps=settings.max_steps), verify=verify_trajectory)
@@ -139,13 +166,14 @@ def sample_agent_runs(settings: ObserveSettings, precision: str, tasks: list[Tas
             run = agent.run(task, sampling)
             done[0] += 1
             if progress:
-                progress(f"agent runs at {precision}", done[0], len(tasks))
+                progress(f"agent runs on {rollout}", done[0], len(tasks))
             return run
 
         with ThreadPoolExecutor(settings.concurrency) as pool:
             return list(pool.map(one, tasks))
     finally:
-        host.close()
+        if isinstance(host, EmbeddedHost):
+            host.close()
 
 
 def probe_run(task_id: str, length: int, gen, eos_token_ids) -> _Run:
@@ -186,18 +214,41 @@ def sample_probes(settings: ObserveSettings, precision: str, tasks: list[TaskSpe
     return probes
 
 
+def replay_problem(runs: list[_Run]) -> str | None:
+    """Why router replay cannot score these runs (a rollout engine's), or None: it needs the rollout's
+    routed experts of every run."""
+    if not runs:
+        return "no runs to replay"
+    missing = sum(r.experts_TLK is None for r in runs)
+    if missing:
+        return (f"{missing} of {len(runs)} runs carry no routed experts (the rollout engine did not return them; "
+                "vLLM on the CPU never does), so there is nothing to replay")
+    return None
+
+
 def _score(settings: ObserveSettings, trainer: str, runs: list[_Run]) -> list[Any]:
+    """Teacher-force `runs` on trainer engine `trainer`; a `+replay` engine routes each produced
+    token to the rollout's experts and raises ReplayUnavailable when a run has none."""
+    from ..engines.routing import replayable
+
+    name = parse_trainer(trainer)
     pairs = [(r.prompt_P, r.response_T) for r in runs]
-    if trainer.startswith("fsdp-"):
+    replays = None
+    if name.replay:
+        if (problem := replay_problem(runs)) is not None:
+            raise ReplayUnavailable(problem)
+        replays = [replayable(r.experts_TLK, np.ones(r.response_T.size, bool) if r.produced_T is None
+                              else r.produced_T) for r in runs]
+    if name.fsdp:
         from ..engines.fsdp import score_with_fsdp
 
-        return score_with_fsdp(settings.model, trainer.removeprefix("fsdp-"), pairs,
-                               world_size=settings.fsdp_world_size)
+        return score_with_fsdp(settings.model, name.precision, pairs, world_size=settings.fsdp_world_size,
+                               replayed_experts=replays)
     from ..engines import TrainerEngine
 
-    engine = TrainerEngine.from_path(settings.model, trainer, settings.device)
+    engine = TrainerEngine.from_path(settings.model, name.precision, settings.device)
     try:
-        return engine.score_batch(pairs)
+        return engine.score_batch(pairs, replayed_experts=replays)
     finally:
         del engine
         gc.collect()
@@ -257,7 +308,7 @@ def _cell_rollout_corr(runs: list[_Run], trainer: str) -> RolloutCorrFigures:
 
 
 def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: list[RouterMismatchReport],
-          rollout_corr: RolloutCorrFigures | None = None) -> MatrixCell:
+          rollout_corr: RolloutCorrFigures | None = None, absent: str | None = None) -> MatrixCell:
     from .dense import sequence_ess
     from .stats import bootstrap_interval
 
@@ -273,7 +324,7 @@ def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: 
         max_abs_delta=max((d.max_abs_delta for d in dense if d.max_abs_delta is not None), default=None),
         kl_k3=interval(d.kl_k3 for d in dense), mean_prob_diff=interval(d.mean_prob_diff for d in dense),
         worst_token=worst.worst_token if worst else None, worst_trajectory_id=worst.trajectory_id if worst else None,
-        low_n=len(dense) < 30, rollout_corr=rollout_corr,
+        low_n=len(dense) < 30, rollout_corr=rollout_corr, router_replay=parse_trainer(trainer).replay, absent=absent,
     )
     if router:
         cell["router_flip_rate"] = interval(r.router_flip_rate for r in router)
@@ -368,7 +419,10 @@ def _divergence(settings: ObserveSettings, a_name: str, b_name: str, runs_a: dic
         a, b = runs_a[tid].run, runs_b[tid].run
         summary = trajectory_divergence(a, b)
         step = summary.first_divergent_step
-        if step is None or step >= len(a.steps) or a.steps[step].response_token_ids is None:
+        # Tying the split to tokens needs a trainer engine with b's numerics: only a precision profile has one
+        # (an engine served elsewhere, such as vLLM, does not).
+        if (step is None or step >= len(a.steps) or a.steps[step].response_token_ids is None
+                or b_name not in PRECISIONS or b_name in settings.rollout_urls):
             reports.append(divergence_report(summary, task_id=a.task_id, engine_a=a_name, engine_b=b_name,
                                              sample_index=a.sample_index))
             continue
@@ -406,6 +460,19 @@ def _write_jsonl(path: Path, records) -> None:
             handle.write(record.model_dump_json() + "\n")
 
 
+def check_replay(settings: ObserveSettings) -> None:
+    """ReplayUnavailable when a `+replay` trainer engine is asked of a model without routed experts
+    (read from its config.json: no torch, nothing written)."""
+    if not any(parse_trainer(t).replay for t in settings.trainer_engines):
+        return
+    from ..engines.provenance import model_config
+
+    config = model_config(Path(settings.model))
+    # Transformers' configs name the expert count differently per family (Qwen3-MoE: num_local_experts).
+    if not any(int(config.get(key) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        raise ReplayUnavailable(f"router replay needs an MoE model; {settings.model} has no routed experts")
+
+
 def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress | None = None, *,
                     config_name: str = layout.CONFIG) -> ObservatoryMatrix:
     """Sample (or read), score, compare and write everything under `run_dir`; return the matrix.
@@ -413,6 +480,7 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
     The settings go to `config_name`; a run directory that already holds another run (a demo's
     training run) passes `layout.EMBEDDED_CONFIG` so that its own config.json stays.
     """
+    check_replay(settings)
     from datetime import datetime, timezone
 
     from transformers import AutoTokenizer
@@ -435,21 +503,31 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
             from .sources import runs_from_captures
 
             raw = runs_from_captures(settings.from_captures[rollout])
-        else:
+        else:  # a precision profile served here, or a server of settings.rollout_urls
             raw = sample_agent_runs(settings, rollout, tasks, progress)
-        # Length probes need the engine itself: only for rollout engines that are precision profiles.
+        # Length probes need the engine itself: only for rollout engines that are precision profiles (a
+        # server elsewhere is not the embedded engine, whatever its name).
         probes[rollout] = (sample_probes(settings, rollout, tasks, progress)
-                           if settings.lengths and rollout in PRECISIONS else [])
+                           if settings.lengths and rollout in PRECISIONS and rollout not in settings.rollout_urls
+                           else [])
         _write_jsonl(layout.trajectories_path(run_dir, rollout), raw)
         agent_runs[rollout] = [r for r in (_stitched(run) for run in raw) if r is not None]
     cells, points, positions = [], [], []
     for t_index, trainer in enumerate(settings.trainer_engines):
-        everything = [r for rollout in settings.rollout_engines for r in agent_runs[rollout] + probes[rollout]]
+        # A replay engine scores the rollout engines whose runs carry routed experts; the others' cells
+        # say why they are absent.
+        absent = {rollout: replay_problem(agent_runs[rollout] + probes[rollout])
+                  for rollout in settings.rollout_engines} if parse_trainer(trainer).replay else {}
+        everything = [r for rollout in settings.rollout_engines if absent.get(rollout) is None
+                      for r in agent_runs[rollout] + probes[rollout]]
         if progress:
             progress("teacher forcing", t_index, len(settings.trainer_engines))
-        scored = _score(settings, trainer, everything)
+        scored = _score(settings, trainer, everything) if everything else []
         by_id = {id(r): s for r, s in zip(everything, scored)}
         for rollout in settings.rollout_engines:
+            if absent.get(rollout) is not None:
+                cells.append(_cell(rollout, trainer, [], [], absent=absent[rollout]))
+                continue
             dense, router = [], []
             for r in agent_runs[rollout]:
                 s = by_id[id(r)]

@@ -62,7 +62,7 @@ test: venv-test vllm browser sandbox postgres lint
 	$(BIN)/python -m pytest
 
 lint: venv-test
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks experiments docs
 	$(BIN)/lint-imports
 
 # Rewrites benchmarks/results/ and then the numbers in docs/benchmarks.md from them (docs/render.py).

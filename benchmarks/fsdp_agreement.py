@@ -6,7 +6,9 @@ whether the fingerprints match (docs/engines.md quotes the result on two H200s).
 same comparison runs with gloo in tests/test_engines_fsdp.py.
 """
 
-import json, sys, time
+import json
+import sys
+import time
 import numpy as np
 from rollmarket.engines import TrainerEngine
 from rollmarket.engines.fsdp import score_with_fsdp, fingerprint_with_fsdp

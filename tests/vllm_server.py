@@ -26,8 +26,9 @@ class VllmUnavailable(RuntimeError):
     """vLLM's virtualenv is missing: `make vllm` builds it (`make test` does)."""
 
 
-def vllm_server(log: Path, *, model: Path = MOE, max_model_len: int = 2048) -> ServiceProcess:
-    """vLLM's OpenAI server serving `model` as SERVED_NAME on a free loopback port (not started)."""
+def vllm_server(log: Path, *, model: Path = MOE, max_model_len: int = 2048, dev_mode: bool = False) -> ServiceProcess:
+    """vLLM's OpenAI server serving `model` as SERVED_NAME on a free loopback port (not started).
+    `dev_mode` opens vLLM's development endpoints (`/collective_rpc`: the in-place weight reload)."""
     if not VLLM_PYTHON.exists():
         raise VllmUnavailable(f"{VLLM_PYTHON} is missing: run `make vllm`")
     port = free_port()
@@ -39,5 +40,5 @@ def vllm_server(log: Path, *, model: Path = MOE, max_model_len: int = 2048) -> S
            "--host", "127.0.0.1", "--port", str(port)]
     # 1 GiB of KV cache is plenty for the tiny model (the default takes a share of the machine's memory).
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1"}
+           "DO_NOT_TRACK": "1", **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
     return ServiceProcess(cmd, log, port, health="/v1/models", env=env)

@@ -146,12 +146,19 @@ def host_options(command):
                      help="Precision profile of the embedded engine."),
         click.option("--device", default="cpu", show_default=True, help="Torch device of the embedded engine."),
         click.option("--threads", type=int, default=None, help="torch CPU threads of the embedded engine."),
+        click.option("--server-reload", type=click.Choice(["none", "vllm"]), default="none", show_default=True,
+                     help="With --model-url and --model-dir: how the server gets onto a new policy. vllm: "
+                          "reload vLLM in place (VLLM_SERVER_DEV_MODE=1) and ack after the canary check."),
+        click.option("--canary-tolerance", type=float, default=None,
+                     help="Mean |Δlogp| of the server's canary against the checkpoint under which a reload "
+                          "counts as done [default: 0.1]."),
     ]):
         command = option(command)
     return command
 
 
-def host_spec(model_path, model_url, model_dir, precision, device, threads, *, absolute: bool = False):
+def host_spec(model_path, model_url, model_dir, precision, device, threads, server_reload="none",
+              canary_tolerance=None, *, absolute: bool = False):
     """The HostSpec of the options; `absolute` resolves paths for processes that run elsewhere."""
     from pydantic import ValidationError
 
@@ -161,8 +168,9 @@ def host_spec(model_path, model_url, model_dir, precision, device, threads, *, a
         model_path = model_path and str(Path(model_path).resolve())
         model_dir = model_dir and str(Path(model_dir).resolve())
     try:
+        tolerance = {} if canary_tolerance is None else {"canary_tolerance": canary_tolerance}
         return HostSpec(model_path=model_path, model_url=model_url, model_dir=model_dir, precision=precision,
-                        device=device, threads=threads)
+                        device=device, threads=threads, server_reload=server_reload, **tolerance)
     except ValidationError as exc:
         raise click.UsageError(validation_problems(exc)) from None
 
@@ -180,17 +188,19 @@ def worker_settings(values: dict) -> WorkerSettings:
 @click.command("worker")
 @host_options
 @settings_options(WorkerSettings)
-def worker_command(model_path, model_url, model_dir, precision, device, threads, **values) -> None:
+def worker_command(model_path, model_url, model_dir, precision, device, threads, server_reload, canary_tolerance,
+                   **values) -> None:
     """Run a rollout worker: lease jobs from an exchange, run the agent, verify, submit groups.
 
     With --model it loads the directory at --precision and serves it on a loopback port; with
     --model-url it samples from that server. On a new policy it loads the checkpoint, checks the
-    digest and acks the reload. Stops on Ctrl-C / SIGTERM.
+    digest and acks the reload (with --server-reload vllm it reloads vLLM in place and acks only
+    when vLLM's canary logprobs are the checkpoint's). Stops on Ctrl-C / SIGTERM.
     """
     from ..worker.host import HostError
     from ..worker.runner import AgentWorker
 
-    spec = host_spec(model_path, model_url, model_dir, precision, device, threads)
+    spec = host_spec(model_path, model_url, model_dir, precision, device, threads, server_reload, canary_tolerance)
     settings = worker_settings(values)
     try:
         if settings.signing_key is not None:
@@ -217,7 +227,8 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
             tally["passed"] += sum(data["passed"])
             console.print(f"group {tally['groups']}: {data['task_id']} rewards {data['rewards']} "
                           f"({data['tier']}); pass rate so far {tally['passed'] / tally['runs']:.2f}", highlight=False)
-        elif kind in ("reload_acked", "reload_refused", "reload_violation", "failed", "rejected"):
+        elif kind in ("reload_acked", "reload_refused", "reload_unverified", "reload_violation", "failed",
+                      "rejected"):
             console.print(f"{kind}: {data}", highlight=False)
 
     worker.events.listeners.append(show)

@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel, Field, model_validator
 
 from ..contracts import PolicyManifest
+from .canary import DEFAULT_TOLERANCE, CanaryCheck, CanaryError, check_server
 
 
 class HostError(RuntimeError):
@@ -26,6 +27,38 @@ class HostError(RuntimeError):
 
 class ReloadRefused(HostError):
     """The published checkpoint is not what the manifest says (digest) or cannot be reached."""
+
+
+class ReloadUnverified(ReloadRefused):
+    """The server was told to load the checkpoint, but its canary logprobs are not the checkpoint's:
+    it did not really reload (or cannot be asked). The worker does not ack."""
+
+    def __init__(self, message: str, check: "CanaryCheck | None" = None):
+        super().__init__(message)
+        self.check = check
+
+
+ServerReload = Literal["none", "vllm"]
+"""How a `--model-url` worker gets its server onto a new policy: `none` (it cannot: the operator
+restarts the server) or `vllm` (vLLM's in-place weight reload, VLLM_SERVER_DEV_MODE=1)."""
+
+
+def local_checkpoint(policy: PolicyManifest) -> Path:
+    """The policy's checkpoint directory, whose files' digest is the manifest's; ReloadRefused if not."""
+    from ..engines.provenance import checkpoint_digest
+
+    uri = policy.checkpoint_uri or ""
+    path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
+    if not uri or not path.is_dir():
+        raise ReloadRefused(f"policy v{policy.policy_version}: checkpoint {uri!r} is not a local directory")
+    try:
+        on_disk = checkpoint_digest(path)
+    except Exception as exc:  # unreadable weights are a refusal, not a crash
+        raise ReloadRefused(f"policy v{policy.policy_version}: {exc}") from None
+    if on_disk != policy.checkpoint_digest:
+        raise ReloadRefused(f"policy v{policy.policy_version}: {path} has digest {on_disk[:12]}…, "
+                            f"the manifest says {policy.checkpoint_digest[:12]}…")
+    return path
 
 
 @dataclass(frozen=True)
@@ -120,21 +153,9 @@ class EmbeddedHost:
 
     def load(self, policy: PolicyManifest) -> EngineIdentity:
         """Make the engine run `policy`'s checkpoint; raises ReloadRefused when it cannot."""
-        from ..engines.provenance import checkpoint_digest
-
         if self.engine.info.checkpoint_digest == policy.checkpoint_digest:
             return self.identity()
-        uri = policy.checkpoint_uri or ""
-        path = Path(uri[len("file://"):] if uri.startswith("file://") else uri)
-        if not uri or not path.is_dir():
-            raise ReloadRefused(f"policy v{policy.policy_version}: checkpoint {uri!r} is not a local directory")
-        try:
-            on_disk = checkpoint_digest(path)
-        except Exception as exc:  # unreadable weights are a refusal, not a crash
-            raise ReloadRefused(f"policy v{policy.policy_version}: {exc}") from None
-        if on_disk != policy.checkpoint_digest:
-            raise ReloadRefused(f"policy v{policy.policy_version}: {path} has digest {on_disk[:12]}…, "
-                                f"the manifest says {policy.checkpoint_digest[:12]}…")
+        path = local_checkpoint(policy)
         engine = self._load(path)
         if engine.info.checkpoint_digest != policy.checkpoint_digest:
             raise ReloadRefused("the checkpoint changed while it was loading")
@@ -153,18 +174,29 @@ class RemoteHost:
     Its identity comes from `GET /v1/engine` when the server is `rollmarket serve-model` (or the
     capture proxy in front of one). Other servers (vLLM, SGLang) don't report their checkpoint,
     so pass `model_dir` (the same directory the server loaded) for the tokenizer hash and digest.
-    Such a worker cannot load weights itself: it acks a policy only when the server already runs
-    that checkpoint.
+
+    With `server_reload="none"` the worker cannot load weights: it acks a policy only when the
+    server already runs that checkpoint. With `"vllm"` it reloads vLLM in place (vLLM's dev-mode
+    `POST /collective_rpc` → `reload_weights(weights_path=…)`, then `/reset_prefix_cache`), and
+    acks only after two checks: the directory's digest is the manifest's, and the server's canary
+    logprobs are that directory's (`canary.py`).
     """
 
     def __init__(self, url: str, *, model_dir: str | Path | None = None, precision: str = "bf16",
-                 api_key: str | None = None):
+                 api_key: str | None = None, server_reload: ServerReload = "none",
+                 canary_tolerance: float = DEFAULT_TOLERANCE):
         self.url = url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
         self.model_dir = Path(model_dir) if model_dir else None
         self.precision = precision
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.server_reload = server_reload
+        self.canary_tolerance = canary_tolerance
+        self.last_check: CanaryCheck | None = None
+        """The canary check behind the last ack (server_reload "vllm")."""
+        if server_reload != "none" and self.model_dir is None:
+            raise HostError("--server-reload needs --model-dir (the directory the server runs now)")
 
     def identity(self) -> EngineIdentity:
         base = self.url[: -len("/v1")]
@@ -224,12 +256,62 @@ class RemoteHost:
         return str(version) if version else "unknown"
 
     def load(self, policy: PolicyManifest) -> EngineIdentity:
+        """Make the server run `policy`'s checkpoint; ReloadRefused (ReloadUnverified when the
+        server's numbers are not the checkpoint's) when it cannot."""
         identity = self.identity()
+        if self.server_reload == "none":
+            if identity.checkpoint_digest != policy.checkpoint_digest:
+                raise ReloadRefused(f"the server at {self.url} runs {identity.checkpoint_digest[:12]}…, policy "
+                                    f"v{policy.policy_version} needs {policy.checkpoint_digest[:12]}…; reload the "
+                                    "server with that checkpoint (or run the worker with --server-reload vllm)")
+            return identity
+        from ..engines.provenance import model_config_hash, tokenizer_hash
+
+        path = self.model_dir
         if identity.checkpoint_digest != policy.checkpoint_digest:
-            raise ReloadRefused(f"the server at {self.url} runs {identity.checkpoint_digest[:12]}…, policy "
-                                f"v{policy.policy_version} needs {policy.checkpoint_digest[:12]}…; reload the "
-                                "server with that checkpoint")
-        return identity
+            path = local_checkpoint(policy)
+            # In place only the weights change: vLLM keeps the tokenizer and the architecture it started with.
+            if tokenizer_hash(path) != identity.tokenizer_hash or model_config_hash(path) != model_config_hash(
+                    self.model_dir):
+                raise ReloadRefused(f"policy v{policy.policy_version}: {path} has another tokenizer or model "
+                                    "config; an in-place reload changes only weights (restart the server)")
+            self._reload_vllm(path)
+        self.last_check = self._verify(policy, path)
+        self.model_dir = path  # only now: a server that failed the check is asked to reload again next time
+        return self.identity()
+
+    def _reload_vllm(self, path: Path) -> None:
+        """vLLM reloads `path`'s weights into its running model, then forgets KV blocks the old weights computed."""
+        base = self.url[: -len("/v1")]
+        calls = [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}),
+                 ("/reset_prefix_cache", None)]
+        for route, body in calls:
+            try:
+                answer = httpx.post(base + route, json=body, headers=self.headers, timeout=600)
+            except httpx.HTTPError as exc:
+                raise ReloadRefused(f"{base}{route}: {exc}") from None
+            if answer.status_code == 404:
+                raise ReloadRefused(f"{base}{route} is missing: start vLLM with VLLM_SERVER_DEV_MODE=1 "
+                                    "(its weight-reload endpoints)")
+            if answer.status_code != 200:
+                raise ReloadRefused(f"{base}{route} answered {answer.status_code}: {answer.text[:300]}")
+
+    def _verify(self, policy: PolicyManifest, path: Path) -> CanaryCheck:
+        """The server's canary logprobs are `path`'s, whose digest is the policy's; else ReloadUnverified."""
+        from ..engines.provenance import checkpoint_digest
+
+        if checkpoint_digest(path) != policy.checkpoint_digest:
+            raise ReloadRefused(f"policy v{policy.policy_version}: {path} changed while loading")
+        try:
+            check = check_server(self.url, self._served_model().get("id") or path.name, path,
+                                 tolerance=self.canary_tolerance, headers=self.headers)
+        except CanaryError as exc:
+            raise ReloadUnverified(f"policy v{policy.policy_version}: the canary could not be scored: {exc}") from None
+        if not check.passed:
+            raise ReloadUnverified(
+                f"policy v{policy.policy_version}: the server's canary logprobs are not {path}'s "
+                f"(mean |Δ| {check.mean_abs_delta:.3f} > {check.tolerance}); it did not load the checkpoint", check)
+        return check
 
     def close(self) -> None:
         pass
@@ -246,11 +328,19 @@ class HostSpec(BaseModel):
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
     device: str = "cpu"
     threads: int | None = Field(None, ge=1, description="torch CPU threads of the embedded engine.")
+    server_reload: ServerReload = Field(
+        "none", description="With model_url: how the server gets onto a new policy (`vllm`: vLLM's in-place "
+                            "reload, checked by the canary before the ack; `none`: refuse until it runs it).")
+    canary_tolerance: float = Field(
+        DEFAULT_TOLERANCE, gt=0, description="Mean |Δlogp| between the server's canary logprobs and the "
+                                             "checkpoint's under which a reload counts as done.")
 
     @model_validator(mode="after")
     def _one_model(self) -> "HostSpec":
         if bool(self.model_path) == bool(self.model_url):
             raise ValueError("give exactly one of --model PATH or --model-url URL")
+        if self.server_reload != "none" and not (self.model_url and self.model_dir):
+            raise ValueError("--server-reload needs --model-url and --model-dir (the directory the server runs now)")
         return self
 
     @property
@@ -261,4 +351,5 @@ class HostSpec(BaseModel):
         """Load (embedded) or reach (remote) the model; HostError when it cannot."""
         if self.model_path:
             return EmbeddedHost(self.model_path, self.precision, self.device, threads=self.threads)
-        return RemoteHost(self.model_url, model_dir=self.model_dir, precision=self.precision)
+        return RemoteHost(self.model_url, model_dir=self.model_dir, precision=self.precision,
+                          server_reload=self.server_reload, canary_tolerance=self.canary_tolerance)

@@ -1,17 +1,25 @@
 """Policy reload against a real vLLM: the server serves the new weights, the worker acks after checking.
 
-What these tests protect: a `rollmarket worker --model-url … --server-reload vllm` in front of vLLM
-(vLLM's CPU build, dev mode) must, when the trainer publishes a new checkpoint, get vLLM onto
-those weights in place and ack the version only once two checks pass: the checkpoint files' digest
-is the manifest's, and vLLM's logprobs on a canary are those files' logprobs. A server that says
-"reloaded" and keeps its old weights must never be acked (a typed `reload_unverified` event).
+What these tests protect: when the trainer publishes a new checkpoint, a worker in front of vLLM
+(vLLM's CPU build) gets vLLM onto those weights and acks the version only once two checks pass:
+the checkpoint files' digest is the manifest's, and vLLM's logprobs on a canary are those files'
+logprobs. A server that says "reloaded" and keeps other weights is never acked (a typed
+`reload_unverified` event, no ack, no lease).
+
+* `--serve-cmd`: the worker runs vLLM itself and restarts it on the new checkpoint (the way that
+  works on this CPU build);
+* `--server-reload vllm-inplace` in front of a server that ignores the reload (a loopback front
+  that swallows vLLM's reload endpoints), and in front of vLLM 0.32's own in-place reload, which on
+  the CPU answers 200 but leaves the model broken (docs/vllm.md).
 
 The expected numbers come from outside the code under test: each checkpoint is scored here with
-plain `transformers` at fp32, and acks are read from the exchange's audit log.
+plain `transformers` at fp32, and acks are read from the exchange's audit log. vLLM runs with
+--enforce-eager here: it starts in half the time, and the canary's tolerance covers its numerics.
 """
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import threading
 import time
@@ -27,15 +35,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from helpers import ExchangeProcess, ServiceProcess
+from rollmarket.contracts import AgentTrajectory
 from rollmarket.engines.provenance import checkpoint_digest
 from rollmarket.localhost import free_port
+from rollmarket.worker.canary import DEFAULT_TOLERANCE
 from test_worker import Worker, jobs, policy, wait_done
-from vllm_server import MOE, SERVED_NAME, START_TIMEOUT_S, vllm_server
+from vllm_server import MOE, SERVED_NAME, START_TIMEOUT_S, VLLM_ENV, vllm_command, vllm_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + 300)]
+# A managed worker starts vLLM twice (the policy, then the new one); each start may take minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * START_TIMEOUT_S)]
 
-TOLERANCE = 0.1
-"""The worker's default canary tolerance (mean |Δlogp|); vLLM bf16 against fp32 sits far below it."""
+FAR = 1.0
+"""Mean |Δlogp| that says "other weights": the perturbed checkpoints sit 4–6 nats from the shipped one."""
 
 
 def perturbed_checkpoint(target: Path, seed: int) -> Path:
@@ -64,30 +75,13 @@ def hf_logprobs(path: Path, prompt: list[int], response: list[int]) -> np.ndarra
     return logp[torch.arange(len(response)), torch.tensor(response)].numpy()
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("vllm-reload")
-
-
-@pytest.fixture(scope="module")
-def vllm(workdir) -> ServiceProcess:
-    """One real vLLM server in dev mode (its in-place weight reload) for the module."""
-    server = vllm_server(workdir / "vllm.log", dev_mode=True)
-    started = time.monotonic()
-    server.start(timeout=START_TIMEOUT_S)
-    print(f"vLLM ready in {time.monotonic() - started:.0f}s")
-    yield server
-    server.stop(30)
-
-
-@pytest.fixture
-def shipped_vllm(vllm) -> ServiceProcess:
-    """The module's vLLM serving the shipped weights again (a test before may have reloaded it)."""
-    answer = httpx.post(vllm.url + "/collective_rpc", timeout=300,
-                        json={"method": "reload_weights", "kwargs": {"weights_path": str(MOE)}})
+def vllm_scores(url: str, prompt: list[int], response: list[int]) -> np.ndarray:
+    """vLLM's own logprobs of `response` after `prompt` (`prompt_logprobs`, no sampling)."""
+    answer = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": SERVED_NAME, "prompt": prompt + response, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
     assert answer.status_code == 200, answer.text
-    assert httpx.post(vllm.url + "/reset_prefix_cache", timeout=60).status_code == 200
-    return vllm
+    scored = answer.json()["choices"][0]["prompt_logprobs"]
+    return np.array([scored[len(prompt) + i][str(token)]["logprob"] for i, token in enumerate(response)])
 
 
 @pytest.fixture
@@ -98,49 +92,80 @@ def exchange(tmp_path):
     ex.stop()
 
 
-def reload_worker(exchange, tmp_path: Path, model_url: str, worker_id: str) -> Worker:
-    return Worker(exchange.url, worker_id, tmp_path, model_url=model_url,
-                  args=("--model-dir", str(MOE), "--server-reload", "vllm"))
-
-
 def acked_versions(trainer, worker_id: str) -> list[int]:
     """Versions the exchange recorded acks of, from its audit log."""
     return [int(e.subject.split(":")[1]) for e in trainer.audit(kind="reload.acked", limit=100).events
             if e.actor == worker_id]
 
 
-def test_worker_reloads_vllm_in_place_and_acks_after_the_canary(shipped_vllm, exchange, tmp_path):
-    vllm = shipped_vllm
+def test_a_managed_vllm_restarts_on_the_new_checkpoint_and_acks_after_the_canary(exchange, tmp_path):
     trainer = exchange.trainer()
-    v1, v2 = perturbed_checkpoint(tmp_path / "ckpt-v1", 1), perturbed_checkpoint(tmp_path / "ckpt-v2", 2)
+    v1 = perturbed_checkpoint(tmp_path / "ckpt-v1", 1)
+    serve_cmd = shlex.join(["env", *(f"{k}={v}" for k, v in VLLM_ENV.items()),
+                            *vllm_command("{model}", "{port}", eager=True)])
     trainer.publish_policy(policy(0, MOE))
-    worker = reload_worker(exchange, tmp_path, vllm.url + "/v1", "vllm-reloader")
+    worker = Worker(exchange.url, "vllm-managed", tmp_path, model=("--serve-cmd", serve_cmd, "--model-dir", str(MOE)))
     try:
-        # v0 is what vLLM already runs: no reload, but the canary is checked before the ack.
-        first = worker.wait_for("reload_acked", version=0, timeout=180)
-        assert first["canary"]["mean_abs_delta"] <= TOLERANCE
-        for version, path in ((1, v1), (2, v2)):
-            trainer.publish_policy(policy(version, path))
-            acked = worker.wait_for("reload_acked", version=version, timeout=300)
-            assert acked["canary"]["mean_abs_delta"] <= TOLERANCE and acked["canary"]["tokens"] > 10
-        trainer.enqueue(jobs(2, 1, group_size=2, max_tokens=24))
+        # vLLM already runs v0 once started: no restart, but the canary is checked before the ack.
+        first = worker.wait_for("reload_acked", version=0, timeout=START_TIMEOUT_S)
+        assert first["canary"]["mean_abs_delta"] <= DEFAULT_TOLERANCE
+        trainer.enqueue(jobs(0, 1, group_size=2, max_tokens=24))
         wait_done(trainer, 1, timeout=300)
+        trainer.publish_policy(policy(1, v1))
+        acked = worker.wait_for("reload_acked", version=1, timeout=START_TIMEOUT_S)
+        assert acked["canary"]["mean_abs_delta"] <= DEFAULT_TOLERANCE and acked["canary"]["tokens"] > 10
+        trainer.enqueue(jobs(1, 1, group_size=2, max_tokens=24, start=1))
+        wait_done(trainer, 2, timeout=300)
     finally:
         worker.stop()
-    assert acked_versions(trainer, "vllm-reloader") == [0, 1, 2]
-    [item] = trainer.fetch(limit=10).groups
-    group = item.group
-    assert group.policy_version == 2 and group.checkpoint_digest == checkpoint_digest(v2)
-    # The group's behaviour logprobs were sampled from v2's weights: plain transformers scoring
-    # v2 gives the same numbers (up to bf16), and v1 or the shipped model far other ones.
-    t = group.trajectories[0]
-    prompt, response = t.prompt_token_ids.tolist(), t.response_token_ids.tolist()
-    actions = t.action_mask.astype(bool)
-    sampled = t.logprobs[actions]
-    gaps = {name: float(np.abs(sampled - hf_logprobs(path, prompt, response)[actions]).mean())
-            for name, path in (("v2", v2), ("v1", v1), ("v0", MOE))}
-    assert gaps["v2"] < TOLERANCE, gaps
-    assert gaps["v1"] > 5 * TOLERANCE and gaps["v0"] > 5 * TOLERANCE, gaps
+    assert acked_versions(trainer, "vllm-managed") == [0, 1]
+    groups = {item.group.policy_version: item.group for item in trainer.fetch(limit=10).groups}
+    assert sorted(groups) == [0, 1]
+    assert groups[0].checkpoint_digest == checkpoint_digest(MOE)
+    assert groups[1].checkpoint_digest == checkpoint_digest(v1)
+    # Each group's behaviour logprobs were sampled from its version's weights: plain transformers
+    # scoring that checkpoint gives the same numbers (up to bf16), the other one far other ones.
+    runs = [AgentTrajectory.model_validate_json(line) for line in worker.rollouts.read_text().splitlines()]
+    for version, own, other in ((0, MOE, v1), (1, v1, MOE)):
+        for run in (r for r in runs if r.task_id == groups[version].task_id):
+            step = run.steps[0]
+            prompt, response = step.prompt_token_ids.tolist(), step.response_token_ids.tolist()
+            near = float(np.abs(step.logprobs - hf_logprobs(own, prompt, response)).mean())
+            far = float(np.abs(step.logprobs - hf_logprobs(other, prompt, response)).mean())
+            assert near < DEFAULT_TOLERANCE and far > FAR, (version, near, far)
+
+
+@pytest.fixture(scope="module")
+def dev_vllm(tmp_path_factory) -> ServiceProcess:
+    """One real vLLM in dev mode (its in-place weight reload, `/collective_rpc`) for the tests below."""
+    server = vllm_server(tmp_path_factory.mktemp("vllm-dev") / "vllm.log", dev_mode=True, eager=True)
+    started = time.monotonic()
+    server.start(timeout=START_TIMEOUT_S)
+    print(f"vLLM ready in {time.monotonic() - started:.0f}s")
+    yield server
+    server.stop(30)
+
+
+def inplace_worker(exchange, tmp_path: Path, model_url: str, worker_id: str) -> Worker:
+    return Worker(exchange.url, worker_id, tmp_path, model_url=model_url,
+                  args=("--model-dir", str(MOE), "--server-reload", "vllm-inplace"))
+
+
+def assert_never_acked(trainer, worker: Worker, worker_id: str) -> dict:
+    """Publishes v1 and waits for two refusals; the worker never acks v1 nor leases its job."""
+    trainer.publish_policy(policy(1, perturbed_checkpoint(worker.events.parent / "ckpt-v1", 1)))
+    trainer.enqueue(jobs(1, 1, group_size=2, max_tokens=24))
+    first = worker.wait_for("reload_unverified", version=1, timeout=300)
+    deadline = time.monotonic() + 300
+    while sum(e["event"] == "reload_unverified" for e in worker.seen()) < 2:  # it retries, still unverified
+        assert time.monotonic() < deadline, worker.seen()[-3:]
+        time.sleep(0.2)
+    events = worker.seen()
+    assert not any(e["event"] == "reload_acked" and e["version"] == 1 for e in events)
+    assert not any(e["event"] == "leased" for e in events)
+    assert acked_versions(trainer, worker_id) == [0]
+    assert trainer.jobs(state="queued", limit=10) and not trainer.jobs(state="done", limit=10)
+    return first
 
 
 class IgnoringFront:
@@ -180,35 +205,37 @@ class IgnoringFront:
         self.thread.join(10)
 
 
-def test_a_server_that_ignores_the_reload_is_never_acked(shipped_vllm, exchange, tmp_path):
+def test_a_server_that_ignores_the_reload_is_never_acked(dev_vllm, exchange, tmp_path):
     trainer = exchange.trainer()
-    v1 = perturbed_checkpoint(tmp_path / "ckpt-v1", 1)
     trainer.publish_policy(policy(0, MOE))
-    with IgnoringFront(shipped_vllm.url) as front:
-        worker = reload_worker(exchange, tmp_path, f"http://127.0.0.1:{front.port}/v1", "vllm-liar")
+    with IgnoringFront(dev_vllm.url) as front:
+        worker = inplace_worker(exchange, tmp_path, f"http://127.0.0.1:{front.port}/v1", "vllm-liar")
         try:
             worker.wait_for("reload_acked", version=0, timeout=180)
-            trainer.publish_policy(policy(1, v1))
-            trainer.enqueue(jobs(1, 1, group_size=2, max_tokens=24))
-            # The digest of v1's files is right, so the worker asks for the reload; the front
-            # swallows it, vLLM still runs v0, and the canary says so. The worker tries again.
-            first = worker.wait_for("reload_unverified", version=1, timeout=300)
-            assert first["canary"]["mean_abs_delta"] > 5 * TOLERANCE
-            deadline = time.monotonic() + 300
-            while sum(e["event"] == "reload_unverified" for e in worker.seen()) < 2:
-                assert time.monotonic() < deadline, worker.seen()[-3:]
-                time.sleep(0.2)
+            # v1's files have the right digest, so the worker asks for the reload; the front
+            # swallows it, vLLM still runs v0, and the canary says so.
+            first = assert_never_acked(trainer, worker, "vllm-liar")
         finally:
             worker.stop()
-    events = worker.seen()
-    assert not any(e["event"] == "reload_acked" and e["version"] == 1 for e in events)
-    assert not any(e["event"] == "leased" for e in events)
-    assert acked_versions(trainer, "vllm-liar") == [0]
-    assert trainer.jobs(state="queued", limit=10) and not trainer.jobs(state="done", limit=10)
+    assert first["canary"]["mean_abs_delta"] > FAR
     # vLLM itself still serves the shipped weights: the front never passed the reload on.
-    prompt, response = [5, 6, 7, 8], [9, 10, 11]
-    scored = httpx.post(shipped_vllm.url + "/v1/completions", timeout=120, json={
-        "model": SERVED_NAME, "prompt": prompt + response, "max_tokens": 1, "temperature": 0,
-        "prompt_logprobs": 0}).json()["choices"][0]["prompt_logprobs"]
-    served = np.array([scored[len(prompt) + i][str(tok)]["logprob"] for i, tok in enumerate(response)])
-    np.testing.assert_allclose(served, hf_logprobs(MOE, prompt, response), atol=0.1)
+    prompt, response = [5, 6, 7, 8, 9], [10, 11, 12, 13]
+    gap = np.abs(vllm_scores(dev_vllm.url, prompt, response) - hf_logprobs(MOE, prompt, response)).mean()
+    assert gap < DEFAULT_TOLERANCE, gap
+
+
+def test_vllm_cpu_in_place_reload_is_caught_by_the_canary(dev_vllm, exchange, tmp_path):
+    """vLLM 0.32's in-place reload on the CPU answers 200 and logs a reload, yet serves neither the
+    old nor the new weights after it (see docs/vllm.md): the canary refuses the ack. Last in the
+    module: it leaves the module's vLLM broken. Should a vLLM upgrade fix the reload, this test
+    fails, and `vllm-inplace` becomes the fast path on the CPU too (update docs/vllm.md)."""
+    trainer = exchange.trainer()
+    trainer.publish_policy(policy(0, MOE))
+    worker = inplace_worker(exchange, tmp_path, dev_vllm.url + "/v1", "vllm-inplace")
+    try:
+        worker.wait_for("reload_acked", version=0, timeout=180)
+        first = assert_never_acked(trainer, worker, "vllm-inplace")
+    finally:
+        worker.stop()
+    assert "Reloading weights inplace" in dev_vllm.log.read_text(errors="replace")
+    assert first["canary"]["mean_abs_delta"] > FAR

@@ -146,9 +146,13 @@ def host_options(command):
                      help="Precision profile of the embedded engine."),
         click.option("--device", default="cpu", show_default=True, help="Torch device of the embedded engine."),
         click.option("--threads", type=int, default=None, help="torch CPU threads of the embedded engine."),
-        click.option("--server-reload", type=click.Choice(["none", "vllm"]), default="none", show_default=True,
-                     help="With --model-url and --model-dir: how the server gets onto a new policy. vllm: "
-                          "reload vLLM in place (VLLM_SERVER_DEV_MODE=1) and ack after the canary check."),
+        click.option("--serve-cmd", default=None,
+                     help="Or: run this server command ({model} and {port} filled in) on --model-dir and restart "
+                          "it on each new policy, acking after the canary check (a managed vLLM)."),
+        click.option("--server-reload", type=click.Choice(["none", "vllm-inplace"]), default="none",
+                     show_default=True,
+                     help="With --model-url and --model-dir: how the server gets onto a new policy. vllm-inplace: "
+                          "vLLM's in-place reload (VLLM_SERVER_DEV_MODE=1), acked after the canary check."),
         click.option("--canary-tolerance", type=float, default=None,
                      help="Mean |Δlogp| of the server's canary against the checkpoint under which a reload "
                           "counts as done [default: 0.1]."),
@@ -157,7 +161,7 @@ def host_options(command):
     return command
 
 
-def host_spec(model_path, model_url, model_dir, precision, device, threads, server_reload="none",
+def host_spec(model_path, model_url, model_dir, precision, device, threads, serve_cmd=None, server_reload="none",
               canary_tolerance=None, *, absolute: bool = False):
     """The HostSpec of the options; `absolute` resolves paths for processes that run elsewhere."""
     from pydantic import ValidationError
@@ -170,7 +174,8 @@ def host_spec(model_path, model_url, model_dir, precision, device, threads, serv
     try:
         tolerance = {} if canary_tolerance is None else {"canary_tolerance": canary_tolerance}
         return HostSpec(model_path=model_path, model_url=model_url, model_dir=model_dir, precision=precision,
-                        device=device, threads=threads, server_reload=server_reload, **tolerance)
+                        device=device, threads=threads, serve_cmd=serve_cmd, server_reload=server_reload,
+                        **tolerance)
     except ValidationError as exc:
         raise click.UsageError(validation_problems(exc)) from None
 
@@ -188,19 +193,21 @@ def worker_settings(values: dict) -> WorkerSettings:
 @click.command("worker")
 @host_options
 @settings_options(WorkerSettings)
-def worker_command(model_path, model_url, model_dir, precision, device, threads, server_reload, canary_tolerance,
-                   **values) -> None:
+def worker_command(model_path, model_url, model_dir, precision, device, threads, serve_cmd, server_reload,
+                   canary_tolerance, **values) -> None:
     """Run a rollout worker: lease jobs from an exchange, run the agent, verify, submit groups.
 
     With --model it loads the directory at --precision and serves it on a loopback port; with
     --model-url it samples from that server. On a new policy it loads the checkpoint, checks the
-    digest and acks the reload (with --server-reload vllm it reloads vLLM in place and acks only
-    when vLLM's canary logprobs are the checkpoint's). Stops on Ctrl-C / SIGTERM.
+    digest and acks the reload; with --serve-cmd it runs the server (vLLM) itself and restarts it
+    on each new checkpoint, acking only when the server's canary logprobs are the checkpoint's.
+    Stops on Ctrl-C / SIGTERM.
     """
     from ..worker.host import HostError
     from ..worker.runner import AgentWorker
 
-    spec = host_spec(model_path, model_url, model_dir, precision, device, threads, server_reload, canary_tolerance)
+    spec = host_spec(model_path, model_url, model_dir, precision, device, threads, serve_cmd, server_reload,
+                     canary_tolerance)
     settings = worker_settings(values)
     try:
         if settings.signing_key is not None:

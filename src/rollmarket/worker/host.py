@@ -8,6 +8,11 @@ exchange needs to know: the engine's identity, numerics, fingerprint and loaded 
 from __future__ import annotations
 
 import hashlib
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -38,9 +43,10 @@ class ReloadUnverified(ReloadRefused):
         self.check = check
 
 
-ServerReload = Literal["none", "vllm"]
-"""How a `--model-url` worker gets its server onto a new policy: `none` (it cannot: the operator
-restarts the server) or `vllm` (vLLM's in-place weight reload, VLLM_SERVER_DEV_MODE=1)."""
+ServerReload = Literal["none", "vllm-inplace", "restart"]
+"""How a worker gets its server onto a new policy: `none` (it cannot: the operator restarts the
+server), `vllm-inplace` (vLLM's in-place weight reload, VLLM_SERVER_DEV_MODE=1) or `restart` (the
+worker runs the server itself, `--serve-cmd`, and restarts it: ManagedHost)."""
 
 
 def local_checkpoint(policy: PolicyManifest) -> Path:
@@ -176,10 +182,12 @@ class RemoteHost:
     so pass `model_dir` (the same directory the server loaded) for the tokenizer hash and digest.
 
     With `server_reload="none"` the worker cannot load weights: it acks a policy only when the
-    server already runs that checkpoint. With `"vllm"` it reloads vLLM in place (vLLM's dev-mode
-    `POST /collective_rpc` → `reload_weights(weights_path=…)`, then `/reset_prefix_cache`), and
-    acks only after two checks: the directory's digest is the manifest's, and the server's canary
-    logprobs are that directory's (`canary.py`).
+    server already runs that checkpoint. With `"vllm-inplace"` it reloads vLLM in place (vLLM's
+    dev-mode `POST /collective_rpc` → `reload_weights(weights_path=…)`, then
+    `/reset_prefix_cache`), and acks only after two checks: the directory's digest is the
+    manifest's, and the server's canary logprobs are that directory's (`canary.py`). On vLLM 0.32's
+    CPU build the in-place reload answers 200 but leaves the model broken (docs/vllm.md): the
+    canary refuses it, and `--serve-cmd` (a managed restart) is the way that works there.
     """
 
     def __init__(self, url: str, *, model_dir: str | Path | None = None, precision: str = "bf16",
@@ -196,7 +204,7 @@ class RemoteHost:
         self.last_check: CanaryCheck | None = None
         """The canary check behind the last ack (server_reload "vllm")."""
         if server_reload != "none" and self.model_dir is None:
-            raise HostError("--server-reload needs --model-dir (the directory the server runs now)")
+            raise HostError("a server reload needs --model-dir (the directory the server runs now)")
 
     def identity(self) -> EngineIdentity:
         base = self.url[: -len("/v1")]
@@ -263,25 +271,25 @@ class RemoteHost:
             if identity.checkpoint_digest != policy.checkpoint_digest:
                 raise ReloadRefused(f"the server at {self.url} runs {identity.checkpoint_digest[:12]}…, policy "
                                     f"v{policy.policy_version} needs {policy.checkpoint_digest[:12]}…; reload the "
-                                    "server with that checkpoint (or run the worker with --server-reload vllm)")
+                                    "server with that checkpoint (or let the worker: --serve-cmd)")
             return identity
-        from ..engines.provenance import model_config_hash, tokenizer_hash
-
         path = self.model_dir
         if identity.checkpoint_digest != policy.checkpoint_digest:
             path = local_checkpoint(policy)
-            # In place only the weights change: vLLM keeps the tokenizer and the architecture it started with.
-            if tokenizer_hash(path) != identity.tokenizer_hash or model_config_hash(path) != model_config_hash(
-                    self.model_dir):
-                raise ReloadRefused(f"policy v{policy.policy_version}: {path} has another tokenizer or model "
-                                    "config; an in-place reload changes only weights (restart the server)")
-            self._reload_vllm(path)
+            self._switch(path, policy)
         self.last_check = self._verify(policy, path)
         self.model_dir = path  # only now: a server that failed the check is asked to reload again next time
         return self.identity()
 
-    def _reload_vllm(self, path: Path) -> None:
+    def _switch(self, path: Path, policy: PolicyManifest) -> None:
         """vLLM reloads `path`'s weights into its running model, then forgets KV blocks the old weights computed."""
+        from ..engines.provenance import model_config_hash, tokenizer_hash
+
+        # In place only the weights change: vLLM keeps the tokenizer and the architecture it started with.
+        if tokenizer_hash(path) != tokenizer_hash(self.model_dir) or model_config_hash(path) != model_config_hash(
+                self.model_dir):
+            raise ReloadRefused(f"policy v{policy.policy_version}: {path} has another tokenizer or model "
+                                "config; an in-place reload changes only weights (restart the server)")
         base = self.url[: -len("/v1")]
         calls = [("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}),
                  ("/reset_prefix_cache", None)]
@@ -317,6 +325,77 @@ class RemoteHost:
         pass
 
 
+class ManagedHost(RemoteHost):
+    """An OpenAI-compatible server (vLLM) that the worker runs itself and restarts on each new policy.
+
+    `serve_cmd` is the server's command line with `{model}` (the checkpoint directory) and `{port}`
+    (a free loopback port the worker picks) in it. A reload stops the server (SIGTERM to its
+    process group, SIGKILL after `stop_s`), starts it on the new directory, waits until
+    `GET /v1/models` answers, and then checks it like any reload: the directory's digest and the
+    canary (`canary.py`) before the ack.
+    """
+
+    def __init__(self, serve_cmd: str, model_dir: str | Path, *, precision: str = "bf16",
+                 canary_tolerance: float = DEFAULT_TOLERANCE, ready_s: float = 600.0, stop_s: float = 30.0,
+                 log: Path | None = None):
+        if "{model}" not in serve_cmd or "{port}" not in serve_cmd:
+            raise HostError("--serve-cmd must contain {model} and {port}")
+        super().__init__("http://127.0.0.1:1/v1", model_dir=model_dir, precision=precision,
+                         server_reload="restart", canary_tolerance=canary_tolerance)
+        self.serve_cmd, self.ready_s, self.stop_s = serve_cmd, ready_s, stop_s
+        self.log = log or Path(tempfile.mkstemp(prefix="rollmarket-serve-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.started_s = 0.0
+        """Seconds the last start took until the server answered."""
+        self._start(self.model_dir)
+
+    def _start(self, path: Path) -> None:
+        from ..localhost import free_port
+
+        port = free_port()
+        argv = [part.format(model=path, port=port) for part in shlex.split(self.serve_cmd)]
+        started = time.monotonic()
+        with open(self.log, "ab") as log:
+            # Its own process group: vLLM forks engine processes, and a stop must reach them all.
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        while time.monotonic() - started < self.ready_s:
+            if self.proc.poll() is not None:
+                raise HostError(f"the server exited with {self.proc.returncode}: {self._log_tail()}")
+            try:
+                if httpx.get(self.url + "/models", timeout=5).status_code == 200:
+                    self.started_s = time.monotonic() - started
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self._stop()
+        raise HostError(f"the server did not answer {self.url}/models in {self.ready_s:.0f}s: {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-1500:]
+
+    def _stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(self.stop_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def _switch(self, path: Path, policy: PolicyManifest) -> None:
+        self._stop()
+        try:
+            self._start(path)
+        except HostError as exc:
+            raise ReloadRefused(f"policy v{policy.policy_version}: {exc}") from None
+
+    def close(self) -> None:
+        self._stop()
+
+
 class HostSpec(BaseModel):
     """Which model a worker samples from: `--model PATH` (embedded) or `--model-url URL`, exactly one.
 
@@ -328,28 +407,36 @@ class HostSpec(BaseModel):
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = "bf16"
     device: str = "cpu"
     threads: int | None = Field(None, ge=1, description="torch CPU threads of the embedded engine.")
-    server_reload: ServerReload = Field(
-        "none", description="With model_url: how the server gets onto a new policy (`vllm`: vLLM's in-place "
-                            "reload, checked by the canary before the ack; `none`: refuse until it runs it).")
+    serve_cmd: str | None = Field(
+        None, description="Or: run this server command ({model} and {port} filled in) on model_dir and "
+                          "restart it on each new policy (a managed vLLM).")
+    server_reload: Literal["none", "vllm-inplace"] = Field(
+        "none", description="With model_url: how the server gets onto a new policy (`vllm-inplace`: vLLM's "
+                            "in-place reload, checked by the canary before the ack; `none`: refuse until it runs it).")
     canary_tolerance: float = Field(
         DEFAULT_TOLERANCE, gt=0, description="Mean |Δlogp| between the server's canary logprobs and the "
                                              "checkpoint's under which a reload counts as done.")
 
     @model_validator(mode="after")
     def _one_model(self) -> "HostSpec":
-        if bool(self.model_path) == bool(self.model_url):
-            raise ValueError("give exactly one of --model PATH or --model-url URL")
+        if sum(map(bool, (self.model_path, self.model_url, self.serve_cmd))) != 1:
+            raise ValueError("give exactly one of --model PATH, --model-url URL or --serve-cmd CMD")
         if self.server_reload != "none" and not (self.model_url and self.model_dir):
             raise ValueError("--server-reload needs --model-url and --model-dir (the directory the server runs now)")
+        if self.serve_cmd and not self.model_dir:
+            raise ValueError("--serve-cmd needs --model-dir (the checkpoint to start the server on)")
         return self
 
     @property
     def label(self) -> str:
-        return self.model_path or self.model_url or ""
+        return self.model_path or self.model_url or self.serve_cmd or ""
 
     def open(self) -> EmbeddedHost | RemoteHost:
-        """Load (embedded) or reach (remote) the model; HostError when it cannot."""
+        """Load (embedded), start (managed) or reach (remote) the model; HostError when it cannot."""
         if self.model_path:
             return EmbeddedHost(self.model_path, self.precision, self.device, threads=self.threads)
+        if self.serve_cmd:
+            return ManagedHost(self.serve_cmd, self.model_dir, precision=self.precision,
+                               canary_tolerance=self.canary_tolerance)
         return RemoteHost(self.model_url, model_dir=self.model_dir, precision=self.precision,
                           server_reload=self.server_reload, canary_tolerance=self.canary_tolerance)

@@ -1707,6 +1707,26 @@ def block_names(text: str) -> list[str]:
     return [m["name"] for m in BLOCK_RE.finditer(text)]
 
 
+# ---- vLLM policy reload ---------------------------------------------------------------------------
+
+VLLM_RELOAD = "benchmarks/results/vllm_reload.json"
+
+
+@block("vllm-reload")
+def _():
+    result = load(VLLM_RELOAD)
+    rows = result["rows"]
+    out = [[r["case"], f"{r['seconds']:.2f}", bold(times(r["ratio_to_cold_start"]), i == 1),
+            "–" if r["canary_mean_abs_delta"] is None else f"{r['canary_mean_abs_delta']:.3f}",
+            "–" if r["acked"] is None else ("yes" if r["acked"] else "no (canary)")] for i, r in enumerate(rows)]
+    managed = rows[1]
+    prose = (f"The managed reload spent {managed['restart_s']:.1f} s restarting vLLM and "
+             f"{managed['seconds'] - managed['restart_s']:.1f} s on the digest and the canary before the ack.")
+    return (provenance(VLLM_RELOAD, result) + "\n\n"
+            + table(["case", "seconds", "× cold start", "canary mean |Δlogp|", "acked"], list("lrrrl"), out)
+            + "\n\n" + prose + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a doc differs from its results")

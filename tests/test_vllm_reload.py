@@ -84,6 +84,17 @@ def vllm_scores(url: str, prompt: list[int], response: list[int]) -> np.ndarray:
     return np.array([scored[len(prompt) + i][str(token)]["logprob"] for i, token in enumerate(response)])
 
 
+def process_commands() -> list[tuple[int, str]]:
+    """(pid, command line) of every live process, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            out.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (ValueError, OSError):
+            continue
+    return out
+
+
 @pytest.fixture
 def exchange(tmp_path):
     ex = ExchangeProcess(tmp_path / "ex.db", tmp_path / "ex.log",
@@ -119,6 +130,11 @@ def test_a_managed_vllm_restarts_on_the_new_checkpoint_and_acks_after_the_canary
     finally:
         worker.stop()
     assert acked_versions(trainer, "vllm-managed") == [0, 1]
+    # The worker stopped the vLLM it ran and the engine process vLLM forked (its process group).
+    deadline = time.monotonic() + 60
+    while left := [pid for pid, cmd in process_commands() if str(v1) in cmd]:
+        assert time.monotonic() < deadline, f"vLLM processes left behind: {left}"
+        time.sleep(0.2)
     groups = {item.group.policy_version: item.group for item in trainer.fetch(limit=10).groups}
     assert sorted(groups) == [0, 1]
     assert groups[0].checkpoint_digest == checkpoint_digest(MOE)

@@ -202,7 +202,7 @@ class RemoteHost:
         self.server_reload = server_reload
         self.canary_tolerance = canary_tolerance
         self.last_check: CanaryCheck | None = None
-        """The canary check behind the last ack (server_reload "vllm")."""
+        """The canary check behind the last ack (any server_reload but "none")."""
         if server_reload != "none" and self.model_dir is None:
             raise HostError("a server reload needs --model-dir (the directory the server runs now)")
 
@@ -332,7 +332,8 @@ class ManagedHost(RemoteHost):
     (a free loopback port the worker picks) in it. A reload stops the server (SIGTERM to its
     process group, SIGKILL after `stop_s`), starts it on the new directory, waits until
     `GET /v1/models` answers, and then checks it like any reload: the directory's digest and the
-    canary (`canary.py`) before the ack.
+    canary (`canary.py`) before the ack. `close()` stops it; a worker killed with SIGKILL leaves it
+    running (it has its own process group).
     """
 
     def __init__(self, serve_cmd: str, model_dir: str | Path, *, precision: str = "bf16",
@@ -340,7 +341,7 @@ class ManagedHost(RemoteHost):
                  log: Path | None = None):
         if "{model}" not in serve_cmd or "{port}" not in serve_cmd:
             raise HostError("--serve-cmd must contain {model} and {port}")
-        super().__init__("http://127.0.0.1:1/v1", model_dir=model_dir, precision=precision,
+        super().__init__("http://127.0.0.1:1/v1", model_dir=model_dir, precision=precision,  # _start sets the url
                          server_reload="restart", canary_tolerance=canary_tolerance)
         self.serve_cmd, self.ready_s, self.stop_s = serve_cmd, ready_s, stop_s
         self.log = log or Path(tempfile.mkstemp(prefix="rollmarket-serve-", suffix=".log")[1])
@@ -397,7 +398,8 @@ class ManagedHost(RemoteHost):
 
 
 class HostSpec(BaseModel):
-    """Which model a worker samples from: `--model PATH` (embedded) or `--model-url URL`, exactly one.
+    """Which model a worker samples from: `--model PATH` (embedded), `--model-url URL` or `--serve-cmd
+    CMD` (a server it runs itself), exactly one.
 
     A record rather than a host so that it can travel (to Ray actors) and be saved; `open()` loads."""
 

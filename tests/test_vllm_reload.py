@@ -20,6 +20,8 @@ plain `transformers` at fp32, and acks are read from the exchange's audit log. v
 from __future__ import annotations
 
 import shlex
+import subprocess
+import sys
 import shutil
 import threading
 import time
@@ -255,3 +257,20 @@ def test_vllm_cpu_in_place_reload_is_caught_by_the_canary(dev_vllm, exchange, tm
         worker.stop()
     assert "Reloading weights inplace" in dev_vllm.log.read_text(errors="replace")
     assert first["canary"]["mean_abs_delta"] > FAR
+
+
+def test_reload_settings_are_checked_before_anything_starts():
+    """Bad reload settings are a usage error at once, with no server started."""
+    from pydantic import ValidationError
+
+    from rollmarket.worker.host import HostError, HostSpec, ManagedHost
+
+    with pytest.raises(ValidationError, match="--model-dir"):
+        HostSpec(model_url="http://127.0.0.1:1/v1", server_reload="vllm-inplace")
+    with pytest.raises(ValidationError, match="exactly one"):
+        HostSpec(model_url="http://127.0.0.1:1/v1", serve_cmd="vllm {model} {port}", model_dir=str(MOE))
+    with pytest.raises(HostError, match=r"\{model\} and \{port\}"):
+        ManagedHost("vllm serve --port {port}", MOE)
+    done = subprocess.run([sys.executable, "-m", "rollmarket", "worker", "--serve-cmd", "vllm {model} {port}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--serve-cmd needs --model-dir" in done.stderr, done.stderr

@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..worker.canary import DEFAULT_TOLERANCE
 from ..worker.runner import WorkerSettings
 from .options import ModelDir, Refused, settings_options, validation_problems
 
@@ -153,16 +154,17 @@ def host_options(command):
                      show_default=True,
                      help="With --model-url and --model-dir: how the server gets onto a new policy. vllm-inplace: "
                           "vLLM's in-place reload (VLLM_SERVER_DEV_MODE=1), acked after the canary check."),
-        click.option("--canary-tolerance", type=float, default=None,
+        click.option("--canary-tolerance", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TOLERANCE,
+                     show_default=True,
                      help="Mean |Δlogp| of the server's canary against the checkpoint under which a reload "
-                          "counts as done [default: 0.1]."),
+                          "counts as done."),
     ]):
         command = option(command)
     return command
 
 
 def host_spec(model_path, model_url, model_dir, precision, device, threads, serve_cmd=None, server_reload="none",
-              canary_tolerance=None, *, absolute: bool = False):
+              canary_tolerance=DEFAULT_TOLERANCE, *, absolute: bool = False):
     """The HostSpec of the options; `absolute` resolves paths for processes that run elsewhere."""
     from pydantic import ValidationError
 
@@ -172,10 +174,9 @@ def host_spec(model_path, model_url, model_dir, precision, device, threads, serv
         model_path = model_path and str(Path(model_path).resolve())
         model_dir = model_dir and str(Path(model_dir).resolve())
     try:
-        tolerance = {} if canary_tolerance is None else {"canary_tolerance": canary_tolerance}
         return HostSpec(model_path=model_path, model_url=model_url, model_dir=model_dir, precision=precision,
                         device=device, threads=threads, serve_cmd=serve_cmd, server_reload=server_reload,
-                        **tolerance)
+                        canary_tolerance=canary_tolerance)
     except ValidationError as exc:
         raise click.UsageError(validation_problems(exc)) from None
 

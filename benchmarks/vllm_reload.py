@@ -4,13 +4,15 @@ The worker's reload (ManagedHost.load) is: check the new checkpoint's digest, st
 on the new directory, wait for `/v1/models`, then the canary check (vLLM's `prompt_logprobs` on
 the canary against the checkpoint's own fp32 logprobs) before the ack. The baseline is a cold start
 of the same vLLM command until it answers `/v1/models` (what an operator restarting vLLM by hand
-waits for, without any check). Also timed: vLLM's in-place reload (dev mode, `POST
+waits for, without any check). Rounds run a cold start and then a reload of that server, in turn;
+the table gives medians. vLLM keeps its torch.compile output in ~/.cache/vllm, so the very first
+start on a machine is slower than every later one: run once before measuring. Also timed: vLLM's in-place reload (dev mode, `POST
 /collective_rpc` `reload_weights`), with the canary's verdict on what it serves afterwards.
 
 The new checkpoint is the shipped tiny-moe re-saved with new metadata (a new digest, the same
 numbers), so the canary must pass for a server that really loaded it.
 
-    .venv/bin/python benchmarks/vllm_reload.py                # vLLM as docs/vllm.md starts it
+    .venv/bin/python benchmarks/vllm_reload.py                # vLLM as docs/vllm.md starts it, 3 rounds
     .venv/bin/python benchmarks/vllm_reload.py --eager        # --enforce-eager (no torch.compile)
 """
 
@@ -21,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -72,6 +75,7 @@ def manifest(version: int, path: Path) -> PolicyManifest:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eager", action="store_true", help="start vLLM with --enforce-eager")
+    parser.add_argument("--rounds", type=int, default=3, help="cold starts and reloads, in turn (medians)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm_reload.json")
     args = parser.parse_args()
     if not VLLM_PYTHON.exists():
@@ -79,22 +83,25 @@ def main() -> None:
     load_at_start = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="vllm-reload-"))
     new = resaved(tmp)
-    rows = []
-    with console.status("cold start of vLLM (the baseline)"):
-        host = ManagedHost(serve_cmd(args.eager), MOE, log=tmp / "managed.log")
-    cold = host.started_s
-    rows.append({"case": "cold start (until /v1/models answers)", "seconds": cold, "canary_mean_abs_delta": None,
-                 "acked": None})
-    try:
-        with console.status("managed reload: restart on the new checkpoint + canary"):
-            started = time.perf_counter()
-            host.load(manifest(1, new))
-            total = time.perf_counter() - started
-        rows.append({"case": "managed reload (restart + digest + canary, then ack)", "seconds": total,
-                     "restart_s": host.started_s, "canary_mean_abs_delta": host.last_check.mean_abs_delta,
-                     "acked": True})
-    finally:
-        host.close()
+    colds, reloads, restarts, deltas = [], [], [], []
+    for round_ in range(args.rounds):  # a cold start, then a reload of that server, in turn
+        with console.status(f"round {round_ + 1}/{args.rounds}: cold start of vLLM (the baseline)"):
+            host = ManagedHost(serve_cmd(args.eager), MOE, log=tmp / "managed.log")
+        colds.append(host.started_s)
+        try:
+            with console.status(f"round {round_ + 1}/{args.rounds}: managed reload (restart + canary)"):
+                started = time.perf_counter()
+                host.load(manifest(1, new))
+                reloads.append(time.perf_counter() - started)
+            restarts.append(host.started_s)
+            deltas.append(host.last_check.mean_abs_delta)
+        finally:
+            host.close()
+    rows = [{"case": "cold start (until /v1/models answers)", "seconds": statistics.median(colds),
+             "samples_s": colds, "canary_mean_abs_delta": None, "acked": None},
+            {"case": "managed reload (restart + digest + canary, then ack)", "seconds": statistics.median(reloads),
+             "samples_s": reloads, "restart_s": statistics.median(restarts),
+             "canary_mean_abs_delta": max(deltas), "acked": True}]
     with console.status("vLLM in dev mode for the in-place reload"):
         dev = ManagedHost(serve_cmd(args.eager, dev_mode=True), MOE, log=tmp / "dev.log")
     try:
@@ -112,7 +119,7 @@ def main() -> None:
         dev.close()
     shutil.rmtree(tmp, ignore_errors=True)
     for row in rows:
-        row["ratio_to_cold_start"] = row["seconds"] / cold
+        row["ratio_to_cold_start"] = row["seconds"] / rows[0]["seconds"]
     view = Table("case", "seconds", "× cold start", "canary mean |Δ|", "acked")
     for row in rows:
         delta = row["canary_mean_abs_delta"]

@@ -1720,14 +1720,14 @@ def _():
             "–" if r["canary_mean_abs_delta"] is None else f"{r['canary_mean_abs_delta']:.3f}",
             "–" if r["acked"] is None else ("yes" if r["acked"] else "no (canary)")] for i, r in enumerate(rows)]
     cold, managed, inplace = rows
-    load_avg = result["machine"]["load_average"][0]
-    prose = (f"The managed reload spent {managed['restart_s']:.1f} s restarting vLLM and "
-             f"{managed['seconds'] - managed['restart_s']:.1f} s on the digest and the canary before the ack. "
-             f"One round, on a box at load average {load_avg:.1f} on {result['machine']['cpus']} CPUs: the "
-             f"restart took {times(managed['restart_s'] / cold['seconds'])} the first start, within the spread of "
-             f"vLLM's start times on this shared box, so read a managed reload as one vLLM start plus the check. "
-             f"The in-place reload took {inplace['seconds']:.2f} s, and the canary found vLLM "
-             f"{inplace['canary_mean_abs_delta']:.1f} nats per token off the checkpoint after it.")
+    rounds = len(cold["samples_s"])
+    samples = ", ".join(f"{x:.0f}" for x in cold["samples_s"])
+    prose = (f"Medians of {rounds} rounds (cold starts took {samples} s). A managed reload is a vLLM start "
+             f"({managed['restart_s']:.1f} s, {times(managed['restart_s'] / cold['seconds'])} the cold start) plus "
+             f"{managed['seconds'] - managed['restart_s']:.1f} s for stopping vLLM, the digest and the canary "
+             f"(loading the checkpoint in the worker and scoring it) before the ack. The in-place reload took "
+             f"{inplace['seconds']:.2f} s, and the canary found vLLM {inplace['canary_mean_abs_delta']:.1f} nats "
+             f"per token off the checkpoint after it.")
     return (provenance(VLLM_RELOAD, result) + "\n\n"
             + table(["case", "seconds", "× cold start", "canary mean \\|Δlogp\\|", "acked"], list("lrrrl"), out)
             + "\n\n" + prose + "\n")

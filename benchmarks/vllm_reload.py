@@ -100,7 +100,7 @@ def main() -> None:
     rows = [{"case": "cold start (until /v1/models answers)", "seconds": statistics.median(colds),
              "samples_s": colds, "canary_mean_abs_delta": None, "acked": None},
             {"case": "managed reload (restart + digest + canary, then ack)", "seconds": statistics.median(reloads),
-             "samples_s": reloads, "restart_s": statistics.median(restarts),
+             "samples_s": reloads, "restart_s": statistics.median(restarts), "restart_samples_s": restarts,
              "canary_mean_abs_delta": max(deltas), "acked": True}]
     with console.status("vLLM in dev mode for the in-place reload"):
         dev = ManagedHost(serve_cmd(args.eager, dev_mode=True), MOE, log=tmp / "dev.log")
@@ -128,6 +128,7 @@ def main() -> None:
     console.print(view)
     write_result(args.out, "vllm_reload", args, rows)
     result = json.loads(args.out.read_text())  # the docs quote the load at the start, not after minutes of vLLM
+    result["machine"]["load_average_end"] = result["machine"]["load_average"]
     result["machine"]["load_average"] = list(load_at_start)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {args.out}")

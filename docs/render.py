@@ -1720,14 +1720,19 @@ def _():
             "–" if r["canary_mean_abs_delta"] is None else f"{r['canary_mean_abs_delta']:.3f}",
             "–" if r["acked"] is None else ("yes" if r["acked"] else "no (canary)")] for i, r in enumerate(rows)]
     cold, managed, inplace = rows
-    rounds = len(cold["samples_s"])
-    samples = ", ".join(f"{x:.0f}" for x in cold["samples_s"])
-    prose = (f"Medians of {rounds} rounds (cold starts took {samples} s). A managed reload is a vLLM start "
-             f"({managed['restart_s']:.1f} s, {times(managed['restart_s'] / cold['seconds'])} the cold start) plus "
-             f"{managed['seconds'] - managed['restart_s']:.1f} s for stopping vLLM, the digest and the canary "
-             f"(loading the checkpoint in the worker and scoring it) before the ack. The in-place reload took "
-             f"{inplace['seconds']:.2f} s, and the canary found vLLM {inplace['canary_mean_abs_delta']:.1f} nats "
-             f"per token off the checkpoint after it.")
+    machine = result["machine"]
+
+    def secs(xs: list[float]) -> str:
+        return ", ".join(f"{x:.0f}" for x in xs)
+
+    checks = [r - s for r, s in zip(managed["samples_s"], managed["restart_samples_s"])]
+    prose = (f"Medians of {len(cold['samples_s'])} rounds. Cold starts took {secs(cold['samples_s'])} s; the "
+             f"reloads' vLLM restarts {secs(managed['restart_samples_s'])} s, and stopping vLLM, the digest and the "
+             f"canary (loading the checkpoint in the worker and scoring it) {secs(checks)} s more before the ack. "
+             f"The box's load average went from {machine['load_average'][0]:.1f} to "
+             f"{machine['load_average_end'][0]:.1f} during the run (other jobs): read a managed reload as one vLLM "
+             f"start plus the check. The in-place reload took {inplace['seconds']:.2f} s, and the canary found "
+             f"vLLM {inplace['canary_mean_abs_delta']:.1f} nats per token off the checkpoint after it.")
     return (provenance(VLLM_RELOAD, result) + "\n\n"
             + table(["case", "seconds", "× cold start", "canary mean \\|Δlogp\\|", "acked"], list("lrrrl"), out)
             + "\n\n" + prose + "\n")

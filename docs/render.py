@@ -2039,6 +2039,37 @@ def block_names(text: str) -> list[str]:
     return [m["name"] for m in BLOCK_RE.finditer(text)]
 
 
+# ---- vLLM policy reload ---------------------------------------------------------------------------
+
+VLLM_RELOAD = "benchmarks/results/vllm_reload.json"
+
+
+@block("vllm-reload")
+def _():
+    result = load(VLLM_RELOAD)
+    rows = result["rows"]
+    out = [[r["case"], f"{r['seconds']:.2f}", bold(times(r["ratio_to_cold_start"]), i == 1),
+            "–" if r["canary_mean_abs_delta"] is None else f"{r['canary_mean_abs_delta']:.3f}",
+            "–" if r["acked"] is None else ("yes" if r["acked"] else "no (canary)")] for i, r in enumerate(rows)]
+    cold, managed, inplace = rows
+    machine = result["machine"]
+
+    def secs(xs: list[float]) -> str:
+        return ", ".join(f"{x:.0f}" for x in xs)
+
+    checks = [r - s for r, s in zip(managed["samples_s"], managed["restart_samples_s"])]
+    prose = (f"Medians of {len(cold['samples_s'])} rounds. Cold starts took {secs(cold['samples_s'])} s; the "
+             f"reloads' vLLM restarts {secs(managed['restart_samples_s'])} s, and stopping vLLM, the digest and the "
+             f"canary (loading the checkpoint in the worker and scoring it) {secs(checks)} s more before the ack. "
+             f"The box's load average went from {machine['load_average'][0]:.1f} to "
+             f"{machine['load_average_end'][0]:.1f} during the run (other jobs): read a managed reload as one vLLM "
+             f"start plus the check. The in-place reload took {inplace['seconds']:.2f} s, and the canary found "
+             f"vLLM {inplace['canary_mean_abs_delta']:.1f} nats per token off the checkpoint after it.")
+    return (provenance(VLLM_RELOAD, result) + "\n\n"
+            + table(["case", "seconds", "× cold start", "canary mean \\|Δlogp\\|", "acked"], list("lrrrl"), out)
+            + "\n\n" + prose + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 when a doc differs from its results")

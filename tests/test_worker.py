@@ -43,11 +43,13 @@ def jobs(version: int, n: int, *, group_size: int = 2, suite: str = "arithmetic"
 
 class Worker:
     def __init__(self, url: str, worker_id: str, tmp: Path, precision: str = "bf16", model_url: str | None = None,
-                 args: tuple[str, ...] = ()):
+                 args: tuple[str, ...] = (), model: tuple[str, ...] | None = None):
+        """`model`: the model options in full (default: --model-url `model_url`, else the shipped tiny-moe)."""
         self.events = tmp / f"{worker_id}.events.jsonl"
         self.rollouts = tmp / f"{worker_id}.rollouts.jsonl"
         self.log = open(tmp / f"{worker_id}.log", "ab")
-        model = ["--model-url", model_url] if model_url else ["--model", str(MOE), "--precision", precision]
+        if model is None:
+            model = ["--model-url", model_url] if model_url else ["--model", str(MOE), "--precision", precision]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollmarket", "worker", *model,
              "--threads", "1", "--exchange", url, "--worker-id", worker_id, "--heartbeat-s", "0.4",

@@ -11,6 +11,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..worker.canary import DEFAULT_TOLERANCE
 from ..worker.runner import WorkerSettings
 from .options import ModelDir, Refused, settings_options, validation_problems
 
@@ -146,12 +147,24 @@ def host_options(command):
                      help="Precision profile of the embedded engine."),
         click.option("--device", default="cpu", show_default=True, help="Torch device of the embedded engine."),
         click.option("--threads", type=int, default=None, help="torch CPU threads of the embedded engine."),
+        click.option("--serve-cmd", default=None,
+                     help="Or: run this server command ({model} and {port} filled in) on --model-dir and restart "
+                          "it on each new policy, acking after the canary check (a managed vLLM)."),
+        click.option("--server-reload", type=click.Choice(["none", "vllm-inplace"]), default="none",
+                     show_default=True,
+                     help="With --model-url and --model-dir: how the server gets onto a new policy. vllm-inplace: "
+                          "vLLM's in-place reload (VLLM_SERVER_DEV_MODE=1), acked after the canary check."),
+        click.option("--canary-tolerance", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_TOLERANCE,
+                     show_default=True,
+                     help="Mean |Δlogp| of the server's canary against the checkpoint under which a reload "
+                          "counts as done."),
     ]):
         command = option(command)
     return command
 
 
-def host_spec(model_path, model_url, model_dir, precision, device, threads, *, absolute: bool = False):
+def host_spec(model_path, model_url, model_dir, precision, device, threads, serve_cmd=None, server_reload="none",
+              canary_tolerance=DEFAULT_TOLERANCE, *, absolute: bool = False):
     """The HostSpec of the options; `absolute` resolves paths for processes that run elsewhere."""
     from pydantic import ValidationError
 
@@ -162,7 +175,8 @@ def host_spec(model_path, model_url, model_dir, precision, device, threads, *, a
         model_dir = model_dir and str(Path(model_dir).resolve())
     try:
         return HostSpec(model_path=model_path, model_url=model_url, model_dir=model_dir, precision=precision,
-                        device=device, threads=threads)
+                        device=device, threads=threads, serve_cmd=serve_cmd, server_reload=server_reload,
+                        canary_tolerance=canary_tolerance)
     except ValidationError as exc:
         raise click.UsageError(validation_problems(exc)) from None
 
@@ -180,17 +194,21 @@ def worker_settings(values: dict) -> WorkerSettings:
 @click.command("worker")
 @host_options
 @settings_options(WorkerSettings)
-def worker_command(model_path, model_url, model_dir, precision, device, threads, **values) -> None:
+def worker_command(model_path, model_url, model_dir, precision, device, threads, serve_cmd, server_reload,
+                   canary_tolerance, **values) -> None:
     """Run a rollout worker: lease jobs from an exchange, run the agent, verify, submit groups.
 
     With --model it loads the directory at --precision and serves it on a loopback port; with
     --model-url it samples from that server. On a new policy it loads the checkpoint, checks the
-    digest and acks the reload. Stops on Ctrl-C / SIGTERM.
+    digest and acks the reload; with --serve-cmd it runs the server (vLLM) itself and restarts it
+    on each new checkpoint, acking only when the server's canary logprobs are the checkpoint's.
+    Stops on Ctrl-C / SIGTERM.
     """
     from ..worker.host import HostError
     from ..worker.runner import AgentWorker
 
-    spec = host_spec(model_path, model_url, model_dir, precision, device, threads)
+    spec = host_spec(model_path, model_url, model_dir, precision, device, threads, serve_cmd, server_reload,
+                     canary_tolerance)
     settings = worker_settings(values)
     try:
         if settings.signing_key is not None:
@@ -217,7 +235,8 @@ def worker_command(model_path, model_url, model_dir, precision, device, threads,
             tally["passed"] += sum(data["passed"])
             console.print(f"group {tally['groups']}: {data['task_id']} rewards {data['rewards']} "
                           f"({data['tier']}); pass rate so far {tally['passed'] / tally['runs']:.2f}", highlight=False)
-        elif kind in ("reload_acked", "reload_refused", "reload_violation", "failed", "rejected"):
+        elif kind in ("reload_acked", "reload_refused", "reload_unverified", "reload_violation", "failed",
+                      "rejected"):
             console.print(f"{kind}: {data}", highlight=False)
 
     worker.events.listeners.append(show)

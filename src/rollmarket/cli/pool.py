@@ -76,7 +76,7 @@ def _until_signal() -> threading.Event:
 @settings_options(WorkerSettings, skip=("worker_id", "pool"))
 @click.pass_context
 def pool(ctx, address, workers, name, num_cpus, drain_s, detach, model_path, model_url, model_dir, precision,
-         device, threads, **values) -> None:
+         device, threads, serve_cmd, server_reload, canary_tolerance, **values) -> None:
     """Run rollout workers as Ray actors on an existing Ray cluster, restart those that die, and scale while they run.
 
     `rollmarket pool --ray HOST:PORT --workers N --model DIR` (or --model-url) starts a detached
@@ -94,7 +94,8 @@ def pool(ctx, address, workers, name, num_cpus, drain_s, detach, model_path, mod
     address = _need_address(address)
     if workers is None:
         raise click.UsageError("how many workers? pass --workers N")
-    spec = host_spec(model_path, model_url, model_dir, precision, device, threads, absolute=True)
+    spec = host_spec(model_path, model_url, model_dir, precision, device, threads, serve_cmd, server_reload,
+                     canary_tolerance, absolute=True)
     for key in ("events", "rollouts"):  # the actors' working directory is not ours
         if values.get(key):
             values[key] = Path(values[key]).resolve()

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -34,7 +35,7 @@ from ..contracts import (
 from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
 from ..gate.integrity import load_signing_key, public_key_b64
 from .heartbeat import Heartbeater, run_renewing
-from .host import EngineIdentity, HostError, ReloadRefused
+from .host import EngineIdentity, HostError, ReloadRefused, ReloadUnverified
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,10 @@ class AgentWorker:
         started = time.perf_counter()
         try:
             identity = self.host.load(policy)
+        except ReloadUnverified as exc:  # the server did not really load it: never acked
+            check = asdict(exc.check) if exc.check else None
+            self.events("reload_unverified", version=policy.policy_version, error=str(exc), canary=check)
+            return False
         except (ReloadRefused, HostError) as exc:
             self.events("reload_refused", version=policy.policy_version, error=str(exc))
             return False
@@ -187,8 +192,10 @@ class AgentWorker:
         except DigestMismatch as exc:
             self.events("reload_violation", version=policy.policy_version, error=str(exc))
             return False
+        check = getattr(self.host, "last_check", None)
         self.events("reload_acked", version=policy.policy_version, aligned=status.aligned,
-                    load_s=round(seconds, 3), fingerprint=identity.engine_fingerprint)
+                    load_s=round(seconds, 3), fingerprint=identity.engine_fingerprint,
+                    canary=asdict(check) if check else None)
         return True
 
     # -- one lease --------------------------------------------------------------------------------

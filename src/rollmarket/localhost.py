@@ -4,9 +4,12 @@ and waiting for `/healthz`."""
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -79,3 +82,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, *, log: Path | None = None, t
         time.sleep(0.05)
     tail = log.read_text()[-4000:] if log and log.exists() else ""
     raise RuntimeError(f"{url} did not become healthy in {timeout:g}s:\n{tail}")
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets `sig` when the process that starts it dies (Linux
+    PR_SET_PDEATHSIG), even by kill -9, so no child outlives its owner. Start the child from a thread
+    that lives as long as the owner: the signal follows the forking thread."""
+    parent = os.getpid()
+
+    def set_up() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # the owner died before prctl
+            os._exit(1)
+    return set_up

@@ -44,7 +44,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..localhost import die_with_parent
 from ..runs import code_version, read_step_rows, write_json
 
 SeedMode = Literal["all", "sampling"]
@@ -334,20 +334,6 @@ def _config_differences(a: dict, b: dict) -> list[str]:
     return sorted(k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k))
 
 
-def _die_with_parent(parent: int) -> Callable[[], None]:
-    """preexec_fn: the child gets SIGKILL when the campaign process dies (Linux), even by kill -9."""
-    def set_up() -> None:
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # the parent died before prctl
-            os._exit(1)
-    return set_up
-
-
 class CampaignRunner:
     """Runs (or resumes) a campaign in `out`. `on_update(statuses)` sees every change and each poll."""
 
@@ -438,7 +424,7 @@ class CampaignRunner:
             log.write(f"$ rollmarket {' '.join(args)}\n")
             log.flush()
             return subprocess.Popen([self.python, "-m", "rollmarket", *args], stdout=log, stderr=subprocess.STDOUT,
-                                    env=env, preexec_fn=_die_with_parent(os.getpid()))
+                                    env=env, preexec_fn=die_with_parent())
 
     def run(self) -> list[RunStatus]:
         """Run every unfinished run (at most `parallel` at once) and return their statuses.

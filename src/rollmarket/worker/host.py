@@ -351,14 +351,17 @@ class ManagedHost(RemoteHost):
         self._start(self.model_dir)
 
     def _start(self, path: Path) -> None:
-        from ..localhost import free_port
+        from ..localhost import die_with_parent, free_port
 
         port = free_port()
         argv = [part.format(model=path, port=port) for part in shlex.split(self.serve_cmd)]
         started = time.monotonic()
         with open(self.log, "ab") as log:
-            # Its own process group: vLLM forks engine processes, and a stop must reach them all.
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # Its own process group: vLLM forks engine processes, and a stop must reach them all. A
+            # worker killed with -9 cannot stop it: SIGTERM on the worker's death lets vLLM take its
+            # engine processes down with it.
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent(signal.SIGTERM))
         self.url = f"http://127.0.0.1:{port}/v1"
         while time.monotonic() - started < self.ready_s:
             if self.proc.poll() is not None:

@@ -78,8 +78,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   step wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
 fi
-"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda',
-torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 | tee -a "$LOGS/run.log"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+torch.cuda.get_device_name() if torch.cuda.is_available() else ''); import triton; print('triton', triton.__version__)" \
+  2>&1 | tee -a "$LOGS/run.log"
 
 run_tests() {
   if ! "$PY" -c "import pytest" > /dev/null 2>&1; then

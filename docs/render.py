@@ -2023,6 +2023,41 @@ def _():
     return "What the data shows (each `<p>-r3` against `<p>`, seed by seed):\n\n" + "\n".join(lines)
 
 
+# ---- GPU tests ----------------------------------------------------------------------------------
+
+GPU_TESTS = "benchmarks/results/gpu_tests-cuda.json"
+
+
+@block("gpu-tests")
+def _():
+    """When and on which card tests/test_gpu_kernels.py last ran on the device, and what it gave."""
+    if not (ROOT / GPU_TESTS).exists():
+        return (f"Not run yet: no `{GPU_TESTS}` is committed (`bash benchmarks/gpu_run.sh tests` on the "
+                "device writes it).")
+    data = load(GPU_TESTS)
+    rows = data["rows"]
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["test"].split("[")[0], []).append(row)
+
+    def count(items: list[dict], *outcomes: str) -> int:
+        return sum(r["outcome"] in outcomes for r in items)
+
+    failed = [r for r in rows if r["outcome"] in ("failed", "error")]
+    gpu = data["machine"].get("gpu", "no GPU")
+    verdict = (f"**{count(rows, 'passed')} passed, {len(failed)} failed, {count(rows, 'skipped')} skipped** "
+               f"of {len(rows)} cases on {gpu}, {n(sum(r['seconds'] for r in rows), 1)} s in all")
+    body = table(["test", "cases", "passed", "failed", "skipped", "seconds"], ["l", "r", "r", "r", "r", "r"],
+                 [[f"`{name}`", str(len(items)), str(count(items, "passed")), str(count(items, "failed", "error")),
+                   str(count(items, "skipped")), n(sum(r["seconds"] for r in items), 1)]
+                  for name, items in groups.items()])
+    lines = [provenance(GPU_TESTS, data), "", f"Last run: {verdict}.", "", body]
+    if failed:
+        lines += ["", "Failures (first 10):", ""]
+        lines += [f"- `{r['test']}`: {r['message'] or r['outcome']}" for r in failed[:10]]
+    return "\n".join(lines)
+
+
 # ---- the two commands ---------------------------------------------------------------------------
 
 def render(text: str) -> str:

@@ -146,12 +146,13 @@ def test_the_patterns_hold_what_they_claim():
 
 # ---- the torch path, on the CPU (these run in CI) ----------------------------------------------
 
-CPU_SHAPES = [(1, 1), (1, 7), (4097, 7), (7, 2049), (1, 151_936), (4, 151_937)]
+CPU_SHAPES = [(1, 1), (1, 7), (4097, 7), (7, 2049), (1, 151_936), (2, 151_937)]
+CPU_PRECISIONS = [(torch.bfloat16, 1.0), (torch.bfloat16, 0.7), (torch.float16, 0.7), (torch.float32, 1.0)]
+"""Fewer than the GPU's 3 × 2 (the CPU suite stays lean); each dtype and each temperature is in."""
 
 
-@pytest.mark.parametrize("temperature", TEMPERATURES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("rows", "vocab"), CPU_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize(("dtype", "temperature"), CPU_PRECISIONS, ids=str)
+@pytest.mark.parametrize(("rows", "vocab"), CPU_SHAPES, ids=str)
 def test_torch_path_matches_float64_on_the_cpu(rows, vocab, dtype, temperature):
     run_patterns(rows, vocab, dtype, temperature, "cpu", [("torch path", torch_path)])
 

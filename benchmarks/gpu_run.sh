@@ -32,6 +32,7 @@ PY=${PY:-python3}
 
 # name | seconds at most | command (--out is added: the step's raw JSON goes to $RESULTS/<name>-cuda.json)
 BENCHMARKS=(
+  "fused_kernel|60|benchmarks/fused_kernel.py --device cuda"
   "teacher_forcing|200|benchmarks/teacher_forcing.py --device cuda"
   "learner_step|200|benchmarks/learner_step.py --device cuda"
   "serve_throughput|150|benchmarks/serve_throughput.py --device cuda"

@@ -2058,6 +2058,34 @@ def _():
     return "\n".join(lines)
 
 
+FUSED_KERNEL = "benchmarks/results/fused_kernel-cuda.json"
+
+
+@block("gpu-kernel-speed")
+def _():
+    """The fixed kernel beside the one before the fix, on the engine's chunk."""
+    if not (ROOT / FUSED_KERNEL).exists():
+        return (f"Not measured yet: no `{FUSED_KERNEL}` is committed (`bash benchmarks/gpu_run.sh fused_kernel` "
+                "on the device writes it).")
+    data = load(FUSED_KERNEL)
+    rows = data["rows"]
+
+    def distance(r: dict) -> str:
+        if r["max_abs_diff_logprob"] is None:
+            return "—"
+        return f"{sci(r['max_abs_diff_logprob'])} / {sci(r['max_abs_diff_entropy'])}"
+
+    body = table(["logits", "before ms", "fixed ms", "fixed GB/s", "**fixed ÷ before**", "max \\|Δ\\| logprob / entropy",
+                  "entropies finite: before / fixed"], ["l", "r", "r", "r", "r", "r", "l"],
+                 [[r["case"], f"{r['before_ms_median']:.3f}", f"{r['fixed_ms_median']:.3f}",
+                   n(r["bytes"] / r["fixed_ms_median"] / 1e6), bold(times(r["fixed_ms_median"] / r["before_ms_median"])),
+                   distance(r), f"{'yes' if r['before_entropy_finite'] else 'no'} / "
+                   f"{'yes' if r['fixed_entropy_finite'] else 'no'}"] for r in rows])
+    shape = f"{n(rows[0]['rows'])} × {n(rows[0]['vocab'])}"
+    return "\n".join([provenance(FUSED_KERNEL, data), "",
+                      f"Median of {data['args']['repeats']} calls each on {shape} logits:", "", body])
+
+
 # ---- the two commands ---------------------------------------------------------------------------
 
 def render(text: str) -> str:

@@ -189,6 +189,7 @@ def test_torch_path_gradient_is_finite_and_exact_with_minus_inf_logits():
     w_lp, w_ent = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
     z = logits.clone().requires_grad_(True)
     lp, ent = chunked_token_stats(z, torch.nn.Identity(), targets, temperature=temperature, chunk=4)
+    check((lp.detach(), ent.detach()), reference(logits, targets, temperature), "torch path with autograd")
     (lp.double() @ w_lp + ent.double() @ w_ent).backward()
 
     logp = torch.log_softmax(logits.double() / temperature, -1)

@@ -10,7 +10,7 @@
 #   what is left of it less PACK_S (20 s), so out.tgz is written even when a step runs long.
 #
 # Wheels the device lacks travel in .whl/ (carried with the working tree): installed with --no-index
-# into /tmp/site, first on PYTHONPATH, beside this checkout's src/.
+# into /tmp/site ($SITE), first on PYTHONPATH, beside this checkout's src/.
 # Inside out.tgz, paths are the repository's, so `tar xzf out.tgz` at the repository root puts the
 # raw results where docs/render.py reads them:
 #   benchmarks/results/gpu_tests-cuda.json   the GPU tests' summary (benchmarks/gpu_test_summary.py)
@@ -27,7 +27,8 @@ STAGE=$(mktemp -d)
 LOGS=$STAGE/gpu-run
 RESULTS=$STAGE/benchmarks/results
 mkdir -p "$OUT" "$LOGS" "$RESULTS"
-export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+SITE=${SITE:-/tmp/site}
+export PYTHONPATH=$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
 
 # name | seconds at most | command (--out is added: the step's raw JSON goes to $RESULTS/<name>-cuda.json)
@@ -80,7 +81,7 @@ step() {
 nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1
 if ls .whl/*.whl > /dev/null 2>&1; then
   step wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target "$SITE" .whl/*.whl
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 torch.cuda.get_device_name() if torch.cuda.is_available() else ''); import triton; print('triton', triton.__version__)" \

@@ -86,7 +86,9 @@ def token_stats(logits_CV: torch.Tensor, targets_C: torch.Tensor, temperature: f
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (logprob of each target, entropy) of ``softmax(logits / temperature)`` per row.
 
-    ``logits_CV`` may be any float dtype (it is read once, never converted).
+    ``logits_CV`` may be any float dtype (it is read once, never converted) and hold −inf anywhere:
+    a −inf target gets logprob −inf, and a row of −inf only NaN for both, as ``torch.softmax``.
+    Targets are not range-checked (that would synchronize with the GPU): they must be < vocab.
     """
     if logits_CV.stride(-1) != 1:
         logits_CV = logits_CV.contiguous()

@@ -17,6 +17,7 @@
 #   benchmarks/results/<name>-cuda.json      each benchmark's raw result
 #   gpu-run/                                 logs (one per step), junit XML, steps.tsv (step, exit
 #                                            status, seconds; 124 = its time limit), nvidia-smi
+#   any other file a step wrote under benchmarks/results/ or experiments/results/ of the checkout
 set -u
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -27,6 +28,7 @@ STAGE=$(mktemp -d)
 LOGS=$STAGE/gpu-run
 RESULTS=$STAGE/benchmarks/results
 mkdir -p "$OUT" "$LOGS" "$RESULTS"
+touch "$STAGE/.start"
 SITE=${SITE:-/tmp/site}
 export PYTHONPATH=$SITE:$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
@@ -47,6 +49,13 @@ log() { echo "[gpu_run $(date -u +%T) +$((SECONDS - START))s] $*" | tee -a "$LOG
 
 pack() {
   trap - EXIT
+  # Results a script wrote into the checkout itself (besides or instead of --out) come along too.
+  local extra
+  find benchmarks/results experiments/results -type f -newer "$STAGE/.start" 2>/dev/null | while read -r extra; do
+    [ -e "$STAGE/$extra" ] || { mkdir -p "$STAGE/$(dirname "$extra")" && cp "$extra" "$STAGE/$extra"; }
+    log "also packed $extra (written in the checkout)"
+  done
+  rm -f "$STAGE/.start"
   log "packing into $OUT/out.tgz"
   tar czf "$OUT/out.tgz" -C "$STAGE" . && rm -rf "$STAGE"
   ls -la "$OUT"

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint venv venv-test vllm browser sandbox postgres bench models schema clean
+.PHONY: demo test lint venv venv-test vllm browser sandbox postgres bench models schema clean gpu-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,13 @@ test: venv-test vllm browser sandbox postgres lint
 lint: venv-test
 	$(BIN)/ruff check src tests benchmarks experiments docs
 	$(BIN)/lint-imports
+
+# The GPU tests (tests/test_gpu_kernels.py: the fused kernel against float64) where CUDA exists; on
+# the CPU their CUDA cases are skipped ("needs CUDA: run on the device") and the torch path's run.
+# With this repository's .venv where there is one, else $(PYTHON) (the lent device has no .venv;
+# there `bash benchmarks/gpu_run.sh tests` also keeps the result for docs/benchmarks.md).
+gpu-test:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pytest tests/test_gpu_kernels.py --noconftest -rs --durations=10
 
 # Rewrites benchmarks/results/ and then the numbers in docs/benchmarks.md from them (docs/render.py).
 bench: venv-test

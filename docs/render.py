@@ -2023,6 +2023,69 @@ def _():
     return "What the data shows (each `<p>-r3` against `<p>`, seed by seed):\n\n" + "\n".join(lines)
 
 
+# ---- GPU tests ----------------------------------------------------------------------------------
+
+GPU_TESTS = "benchmarks/results/gpu_tests-cuda.json"
+
+
+@block("gpu-tests")
+def _():
+    """When and on which card tests/test_gpu_kernels.py last ran on the device, and what it gave."""
+    if not (ROOT / GPU_TESTS).exists():
+        return (f"Not run yet: no `{GPU_TESTS}` is committed (`bash benchmarks/gpu_run.sh tests` on the "
+                "device writes it).")
+    data = load(GPU_TESTS)
+    rows = data["rows"]
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["test"].split("[")[0], []).append(row)
+
+    def count(items: list[dict], *outcomes: str) -> int:
+        return sum(r["outcome"] in outcomes for r in items)
+
+    failed = [r for r in rows if r["outcome"] in ("failed", "error")]
+    gpu = data["machine"].get("gpu", "no GPU")
+    verdict = (f"**{count(rows, 'passed')} passed, {len(failed)} failed, {count(rows, 'skipped')} skipped** "
+               f"of {len(rows)} cases on {gpu}, {n(sum(r['seconds'] for r in rows), 1)} s in all")
+    body = table(["test", "cases", "passed", "failed", "skipped", "seconds"], ["l", "r", "r", "r", "r", "r"],
+                 [[f"`{name}`", str(len(items)), str(count(items, "passed")), str(count(items, "failed", "error")),
+                   str(count(items, "skipped")), n(sum(r["seconds"] for r in items), 1)]
+                  for name, items in groups.items()])
+    lines = [provenance(GPU_TESTS, data), "", f"Last run: {verdict}.", "", body]
+    if failed:
+        lines += ["", "Failures (first 10):", ""]
+        lines += [f"- `{r['test']}`: {r['message'] or r['outcome']}" for r in failed[:10]]
+    return "\n".join(lines)
+
+
+FUSED_KERNEL = "benchmarks/results/fused_kernel-cuda.json"
+
+
+@block("gpu-kernel-speed")
+def _():
+    """The fixed kernel beside the one before the fix, on the engine's chunk."""
+    if not (ROOT / FUSED_KERNEL).exists():
+        return (f"Not measured yet: no `{FUSED_KERNEL}` is committed (`bash benchmarks/gpu_run.sh fused_kernel` "
+                "on the device writes it).")
+    data = load(FUSED_KERNEL)
+    rows = data["rows"]
+
+    def distance(r: dict) -> str:
+        if r["max_abs_diff_logprob"] is None:
+            return "—"
+        return f"{sci(r['max_abs_diff_logprob'])} / {sci(r['max_abs_diff_entropy'])}"
+
+    body = table(["logits", "before ms", "fixed ms", "fixed GB/s", "**fixed ÷ before**", "max \\|Δ\\| logprob / entropy",
+                  "entropies finite: before / fixed"], ["l", "r", "r", "r", "r", "r", "l"],
+                 [[r["case"], f"{r['before_ms_median']:.3f}", f"{r['fixed_ms_median']:.3f}",
+                   n(r["bytes"] / r["fixed_ms_median"] / 1e6), bold(times(r["fixed_ms_median"] / r["before_ms_median"])),
+                   distance(r), f"{'yes' if r['before_entropy_finite'] else 'no'} / "
+                   f"{'yes' if r['fixed_entropy_finite'] else 'no'}"] for r in rows])
+    shape = f"{n(rows[0]['rows'])} × {n(rows[0]['vocab'])}"
+    return "\n".join([provenance(FUSED_KERNEL, data), "",
+                      f"Median of {data['args']['repeats']} calls each on {shape} logits:", "", body])
+
+
 # ---- the two commands ---------------------------------------------------------------------------
 
 def render(text: str) -> str:

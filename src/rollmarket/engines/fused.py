@@ -43,30 +43,41 @@ if triton is not None:
         row = tl.program_id(0)
         base = logits_ptr + row.to(tl.int64) * row_stride
         offsets = tl.arange(0, BLOCK)
-        # Start from the row's first logit so m is finite from the outset: no inf − inf below.
-        m = tl.load(base).to(tl.float32) * inv_temperature
+        # m is the running maximum and may be −inf (a masked vocabulary, a first logit of −inf);
+        # the sums are kept relative to r, which is m where m is finite and 0 while every logit so
+        # far was −inf (then s and u are still 0). Only finite numbers are ever subtracted or
+        # multiplied by a sum, so no −inf − (−inf) and no 0·(−inf) arise. These are per-block
+        # scalars: the per-entry work is what it was.
+        m = tl.full([], float("-inf"), tl.float32)
+        r = tl.full([], 0.0, tl.float32)
         s_B = tl.zeros([BLOCK], dtype=tl.float32)
         u_B = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, vocab, BLOCK):
             index = start + offsets
-            valid = index < vocab
-            z_B = tl.load(base + index, mask=valid, other=0.0).to(tl.float32) * inv_temperature
-            m_new = tl.maximum(m, tl.max(tl.where(valid, z_B, float("-inf")), axis=0))
-            scale = tl.exp(m - m_new)
-            # Per-lane sums, rescaled to the new maximum: Σe(z − m') = scale·(Σe(z − m) + (m − m')Σe).
-            u_B = scale * (u_B + (m - m_new) * s_B)
+            # Entries past the vocabulary read as −inf: e = 0, and they never win the maximum.
+            z_B = tl.load(base + index, mask=index < vocab, other=float("-inf")).to(tl.float32) * inv_temperature
+            m_new = tl.maximum(m, tl.max(z_B, axis=0))
+            r_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+            # Per-lane sums, rescaled to the new reference: Σe(z − r') = scale·(Σe(z − r) + (r − r')Σe).
+            # While m is −inf the sums are 0 and stay so (scale = e^(−inf) = 0, and r − r' is not used).
+            scale = tl.exp(m - r_new)
+            shift = tl.where(m == float("-inf"), 0.0, r - r_new)
+            u_B = scale * (u_B + shift * s_B)
             s_B = scale * s_B
-            shifted_B = z_B - m_new
-            e_B = tl.where(valid, tl.exp(shifted_B), 0.0)
+            shifted_B = z_B - r_new
+            e_B = tl.exp(shifted_B)
             s_B += e_B
             u_B += tl.where(e_B > 0.0, e_B * shifted_B, 0.0)
             m = m_new
+            r = r_new
         s = tl.sum(s_B, axis=0)
         u = tl.sum(u_B, axis=0)
         log_s = tl.log(s)
+        # A target whose logit is −inf gets −inf; a row of −inf only gets NaN for both, as torch's
+        # softmax does (s = 0: the distribution does not exist).
         target = tl.load(targets_ptr + row)
         z_target = tl.load(base + target).to(tl.float32) * inv_temperature
-        tl.store(logprobs_ptr + row, z_target - m - log_s)
+        tl.store(logprobs_ptr + row, z_target - r - log_s)
         tl.store(entropies_ptr + row, log_s - u / s)
 
 
@@ -75,7 +86,9 @@ def token_stats(logits_CV: torch.Tensor, targets_C: torch.Tensor, temperature: f
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 (logprob of each target, entropy) of ``softmax(logits / temperature)`` per row.
 
-    ``logits_CV`` may be any float dtype (it is read once, never converted).
+    ``logits_CV`` may be any float dtype (it is read once, never converted) and hold −inf anywhere:
+    a −inf target gets logprob −inf, and a row of −inf only NaN for both, as ``torch.softmax``.
+    Targets are not range-checked (that would synchronize with the GPU): they must be < vocab.
     """
     if logits_CV.stride(-1) != 1:
         logits_CV = logits_CV.contiguous()

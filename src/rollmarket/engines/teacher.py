@@ -70,10 +70,16 @@ def chunked_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targe
         log_sum_C = sum_C.log()
         target_C = shifted_CV.gather(-1, targets_N[start:start + chunk, None]).squeeze(-1)
         logprobs.append(target_C - log_sum_C)
-        # In place when no gradient needs exp_CV intact, so no third buffer is allocated.
-        weighted_CV = exp_CV * shifted_CV if exp_CV.requires_grad else exp_CV.mul_(shifted_CV)
-        entropies.append(log_sum_C - weighted_CV.sum(-1) / sum_C)
-        del shifted_CV, exp_CV, weighted_CV
+        # A −inf logit (a masked vocabulary) has e = 0 and z = −inf, and 0·(−inf) is NaN. Without
+        # a gradient the product is taken in place (no third buffer) and nansum drops those NaNs:
+        # no extra pass, and a NaN logit still makes log s, so both results, NaN. With one, the
+        # NaN would also reach the gradient through the product, so such entries are zeroed first.
+        if exp_CV.requires_grad:
+            weighted_sum_C = (exp_CV * shifted_CV.where(exp_CV > 0, 0.0)).sum(-1)
+        else:
+            weighted_sum_C = exp_CV.mul_(shifted_CV).nansum(-1)
+        entropies.append(log_sum_C - weighted_sum_C / sum_C)
+        del shifted_CV, exp_CV
     return torch.cat(logprobs), torch.cat(entropies)
 
 

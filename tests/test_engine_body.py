@@ -129,3 +129,66 @@ def test_compiled_body_agrees_with_eager_and_stays_inside_the_engine(loaded):
     for e, c in zip(eager, compiled):
         np.testing.assert_allclose(c.logprobs_T, e.logprobs_T, rtol=0, atol=1e-4)
         np.testing.assert_allclose(c.entropies_T, e.entropies_T, rtol=0, atol=1e-4)
+
+
+def _render_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_render_bodies", MODEL.parents[1] / "docs" / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_body_section_says_not_measured_then_renders_the_verdict_from_the_json(tmp_path, monkeypatch):
+    """docs/benchmarks.md's body section before the GPU run, and from a result in the benchmark's
+    format (numbers made up here; the verdict's expectations are worked out by hand below)."""
+    import json
+
+    render = _render_module()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    assert "Not measured yet" in render.BLOCKS["tfb-provenance"]()
+    assert render.BLOCKS["tfb-goal"]() == "Verdict: not measured yet."
+
+    def speed(shape, method, tok_s, memory, peak):
+        return dict(shape=shape, method=method, tokens_per_s=tok_s, speedup_vs_naive=tok_s / 100_000,
+                    peak_extra_ratio_vs_naive=memory, fraction_of_peak=peak, model_tflops=700 * peak,
+                    matmul_peak_tflops=700.0, first_call_s=5.0)
+
+    def variant(label, mean, p999):
+        stats = dict(mean=mean, p999=p999, max=2 * p999, mean_exact=mean / 2, p999_exact=p999 / 2, max_exact=p999)
+        return dict(label=label, body=label.split(",")[0], **stats, mean_vs_eager=mean, max_vs_eager=p999,
+                    meets_criterion=mean <= 0.04 and p999 <= 0.2,
+                    by_depth=[dict(depth=1, **{k: x / 10 for k, x in stats.items()}), dict(depth=36, **stats)])
+
+    results = []
+    for shape, compiled_tok_s, peak, layers in (("qwen3-0.6b", 170_000, 0.50, 28), ("qwen3-1.7b", 160_000, 0.65, 28),
+                                                ("qwen3-4b", 155_000, 0.72, 36)):
+        results += [dict(shape=shape, method="naive", tokens_per_s=100_000),
+                    speed(shape, "engine-eager", 112_000, 0.05, 0.45),
+                    speed(shape, "engine-compiled", compiled_tok_s, 0.05, peak),
+                    dict(shape=shape, method="engine-liger", error="body unavailable: no liger"),
+                    dict(shape=shape, method="numerics", layers=layers, bound=dict(mean=0.04, p999=0.2),
+                         variants=[variant("eager", 0.04, 0.2), variant("eager, one sequence a forward", 0.039, 0.19),
+                                   variant("compiled", 0.036, 0.3)])]
+    meta = dict(date="2026-11-27T00:00:00+00:00", machine="test", gpu="H100", cuda_default_body="compiled",
+                liger_kernel=None)
+    (tmp_path / "benchmarks/results").mkdir(parents=True)
+    (tmp_path / render.TFB).write_text(json.dumps(dict(meta=meta, results=results)))
+    render.load.cache_clear()
+
+    table = render.BLOCKS["tfb-table"]()
+    assert "| Qwen3-4B | compiled | 155,000 | **1.55×** | 0.050× | 72% (504 of 700 TFLOP/s) | 5.0 s | **no** |" in table
+    assert "| Qwen3-4B | liger | error: body unavailable: no liger |" in table
+    goal = render.BLOCKS["tfb-goal"]()
+    # 0.6B: 1.70× ≥ 1.6 met, peak 50% missed; 4B: 1.55× ≥ 1.5 met, 72% met, but p99.9 0.3 > 0.2.
+    assert "- Qwen3-0.6B: 1.70× the naive path (goal ≥ 1.6×) met;" in goal
+    assert "50% of the matmul peak (≥ 70%) **missed**" in goal
+    assert "- Qwen3-4B: 1.55× the naive path (goal ≥ 1.5×) met; 0.050× its memory (≤ 0.06×) met; " \
+           "72% of the matmul peak (≥ 70%) met; numerics not within eager's **missed**." in goal
+    assert "Not met on Qwen3-0.6B, Qwen3-1.7B, Qwen3-4B." in goal
+    assert "per shape: Qwen3-0.6B `eager`, Qwen3-1.7B `eager`, Qwen3-4B `eager`." in goal
+    why = render.BLOCKS["tfb-why"]()
+    assert why.startswith("On the Qwen3-4B shape") and "the compiled body is 1.8e-2 (p99.9 1.5e-1, max 3.0e-1)" in why
+    assert "| Qwen3-4B | compiled | 3.6e-2 / 3.0e-1 / 6.0e-1 | 1.8e-2 / 1.5e-1 / 3.0e-1 | 1: 1.8e-3 | " \
+           "3.6e-2 / 3.0e-1 | **no** |" in render.BLOCKS["tfb-numerics"]()

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .body import Body, BodyPatch, default_body
 from .fingerprint import canonical_pairs, fingerprint_from_logprobs
 from .loading import LoadedModel, load_model
 from .precision import Precision
 from .routing import RouterCapture, RouterReplay, replay_positions
-from .body import Body, BodyPatch, default_body
 
 CPU_CHUNK = 1024
 CUDA_CHUNK = 4096

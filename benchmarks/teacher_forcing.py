@@ -462,7 +462,6 @@ def numerics(name: str, device: str, tokens: int) -> dict:
     import torch
 
     from rollmarket.engines import TrainerEngine
-    from rollmarket.engines.body import BodyUnavailable
     from rollmarket.engines.precision import apply_precision, parse_precision
 
     shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
@@ -493,33 +492,38 @@ def numerics(name: str, device: str, tokens: int) -> dict:
                      layers=layers, depths=depths, scored_tokens=B * (S - P),
                      criterion=NUMERICS_CRITERION, variants=[])
     eager_lp = None
-    variants = (("eager", "eager", {}), ("eager, one sequence a forward", "eager", {"max_batch_tokens": S}),
-                ("liger", "liger", {}), ("compiled", "compiled", {}), ("compiled-liger", "compiled-liger", {}))
-    for label, body, options in variants:
+    # (label, body, engine options, by depth): the depth sweep is for the explanation (eager against
+    # compiled); the other rows need only the whole model.
+    variants = (("eager", "eager", {}, True), ("eager, one sequence a forward", "eager", {"max_batch_tokens": S}, False),
+                ("liger", "liger", {}, False), ("compiled", "compiled", {}, True),
+                ("compiled-liger", "compiled-liger", {}, False))
+    for label, body, options, sweep in variants:
         if body.startswith("compiled"):
             torch._dynamo.reset()  # no graph of another variant is reused
+        by_depth = []
         try:
             engine = TrainerEngine(loaded, body=body, **options)
-        except BodyUnavailable as exc:
-            out["variants"].append(dict(label=label, body=body, error=str(exc)))
+            for d in depths if sweep else depths[-1:]:  # the last depth is the whole model
+                lp = score(engine, d)
+                row = dict(depth=d)
+                for suffix, ref in refs.items():
+                    delta = np.abs(lp - ref[d])
+                    row.update({f"mean{suffix}": float(delta.mean()), f"p999{suffix}": float(np.quantile(delta, 0.999)),
+                                f"max{suffix}": float(delta.max())})
+                by_depth.append(row)
+        except Exception as exc:  # one body that fails (a missing wheel, a kernel error) is a row, not the run
+            out["variants"].append(dict(label=label, body=body, error=f"{type(exc).__name__}: {exc}"[:1000]))
+            print(f"{label}: {out['variants'][-1]['error']}", file=sys.stderr)
             continue
-        by_depth = []
-        for d in depths:  # the last depth is the whole model
-            lp = score(engine, d)
-            row = dict(depth=d)
-            for suffix, ref in refs.items():
-                delta = np.abs(lp - ref[d])
-                row.update({f"mean{suffix}": float(delta.mean()), f"p999{suffix}": float(np.quantile(delta, 0.999)),
-                            f"max{suffix}": float(delta.max())})
-            by_depth.append(row)
+        finally:
+            engine = None
+            gc.collect()
         eager_lp = lp if eager_lp is None else eager_lp
         row = dict(label=label, body=body, by_depth=by_depth, **{k: v for k, v in by_depth[-1].items() if k != "depth"},
                    mean_vs_eager=float(np.abs(lp - eager_lp).mean()), max_vs_eager=float(np.abs(lp - eager_lp).max()))
         out["variants"].append(row)
         print(json.dumps(row), file=sys.stderr)
-        del engine
-        gc.collect()
-    eager_rows = [v for v in out["variants"] if v["body"] == "eager"]
+    eager_rows = [v for v in out["variants"] if v["body"] == "eager" and "error" not in v]
     keys = ("mean", "p999", "mean_exact", "p999_exact")
     bound = {k: max(v[k] for v in eager_rows) for k in keys}
     out["bound"] = bound
@@ -752,7 +756,8 @@ def main() -> None:
             if "error" in v:
                 table.add_row(v["label"], "error: " + v["error"][-80:])
                 continue
-            table.add_row(v["label"], *[f"{x['mean']:.1e} / {x['p999']:.1e} / {x['max']:.1e}" for x in v["by_depth"]],
+            at = {x["depth"]: f"{x['mean']:.1e} / {x['p999']:.1e} / {x['max']:.1e}" for x in v["by_depth"]}
+            table.add_row(v["label"], *[at.get(d, "") for d in res["depths"]],
                           f"{_e(v['mean_exact'])} / {_e(v['p999_exact'])}",
                           f"{_e(v['mean_vs_eager'])} / {_e(v['max_vs_eager'])}", "yes" if v["meets_criterion"] else "no")
         console.print(table)

@@ -30,10 +30,12 @@ import torch
 Body = Literal["eager", "liger", "compiled", "compiled-liger"]
 BODIES: tuple[str, ...] = get_args(Body)
 CUDA_BODY: Body = "compiled"
-"""The default on CUDA for dense models: on the H100 it was the fastest body whose logprobs stay as
-close to the float32 model's as eager bf16's do (the criterion and numbers in docs/benchmarks.md,
-"Trainer engine: the model body"). MoE models and FSDP-sharded ones keep the eager body by default:
-their router hooks (capture, replay) and sharding hooks would run inside the compiled graph."""
+"""The default on CUDA for dense models. Chosen from the H100 runs so far (docs/benchmarks.md): the
+compiled body was the fastest on every Qwen3 shape, and its mean |Δ logprob| from the float32
+model was below eager bf16's. benchmarks/teacher_forcing.py re-decides
+it on every run ("Trainer engine: the model body"): the fastest body that meets the numerics
+criterion there is the one this should name. MoE models and FSDP-sharded ones keep the eager body
+by default: their router hooks (capture, replay) and sharding hooks would run inside the graph."""
 
 # Qwen3's modules whose forward the fused kernels replace, and its rotary function's name.
 _RMS_NORM = "Qwen3RMSNorm"

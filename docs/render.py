@@ -585,7 +585,8 @@ def _():
             if r is None:
                 continue
             if "error" in r:
-                out.append([label, body, "error: " + r["error"].splitlines()[-1][:80].replace("|", "/"), "", "", "", "", ""])
+                last_line = (r["error"].strip().splitlines() or ["(no message)"])[-1]
+                out.append([label, body, "error: " + last_line[:80].replace("|", "/"), "", "", "", "", ""])
                 continue
             v = _tfb_variant(numerics, shape, body)
             out.append([label, body, n(r["tokens_per_s"]), bold(times(r["speedup_vs_naive"])),
@@ -609,7 +610,7 @@ def _():
             continue
         for v in result["variants"]:
             if "error" in v:
-                out.append([label, v["label"], "error: " + v["error"][:80], "", "", "", ""])
+                out.append([label, v["label"], "error: " + v["error"][:80].replace("|", "/").replace("\n", " "), "", "", "", ""])
                 continue
             depths = ", ".join(f"{d['depth']}: {sci(d['mean_exact'])}" for d in v["by_depth"][:-1])
             out.append([label, v["label"], f"{sci(v['mean'])} / {sci(v['p999'])} / {sci(v['max'])}",

@@ -99,12 +99,11 @@ def test_fused_kernels_replace_qwen3_elementwise_work_only_inside_the_span(loade
         again_BSH = decoder(input_ids=ids_BS, use_cache=False).last_hidden_state
         assert calls["rms_norm"] == 2 * (4 * layers + 1)
         assert torch.equal(again_BSH, eager_BSH)
-        # Tensors on another device type than the kernels' keep the eager rotary function.
-        calls_cuda = {"rms_norm": 0, "swiglu": 0, "rope": 0}
-        kernels = _float64_kernels(calls_cuda)
-        with BodyPatch(decoder, "liger", kernels=Kernels("cuda", kernels.rms_norm, kernels.swiglu, kernels.rope)):
-            decoder(input_ids=ids_BS, use_cache=False)
-        assert calls_cuda["rope"] == 0 and calls_cuda["swiglu"] == layers
+        # Kernels for another device than the model's are refused before anything is patched.
+        kernels = _float64_kernels(calls)
+        with pytest.raises(BodyUnavailable, match="run on cuda; this model is on cpu"):
+            BodyPatch(decoder, "liger", kernels=Kernels("cuda", kernels.rms_norm, kernels.swiglu, kernels.rope))
+        assert _instance_forwards(loaded.model) == []
 
 
 def test_compiled_body_agrees_with_eager_and_stays_inside_the_engine(loaded):

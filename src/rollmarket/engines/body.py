@@ -127,6 +127,9 @@ class BodyPatch:
                 layer._compiled_call_impl = None
 
     def _prepare_kernels(self, decoder: torch.nn.Module, kernels: Kernels) -> None:
+        device = next(decoder.parameters()).device.type
+        if device != kernels.device_type:
+            raise BodyUnavailable(f"the liger body's kernels run on {kernels.device_type}; this model is on {device}")
         for module in decoder.modules():
             name = type(module).__name__
             if name == _RMS_NORM:

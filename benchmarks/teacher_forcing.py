@@ -1,7 +1,8 @@
 """Teacher forcing: the trainer engine (chunked lm-head) against the naive full-logits path.
 
 For one batch of (prompt, response) pairs, every response token's logprob and its distribution's
-entropy, four ways:
+entropy, several ways (the defaults: engine-eager, engine-torch, naive, naive-logprobs on the CPU;
+every body, naive and numerics on CUDA):
 
     engine-eager    TrainerEngine.score_batch with the eager body: model body once, then lm-head +
                     softmax statistics over chunks of positions (4,096 on CUDA, through the fused
@@ -41,7 +42,7 @@ engine's chunk size and the breakdown of where the time goes.
 
     python benchmarks/teacher_forcing.py                       # CPU: tiny models + a big-vocab shape
     python benchmarks/teacher_forcing.py --device cuda         # Qwen3-0.6B, 1.7B, 4B shapes, bf16, 16k tokens:
-                                                               # every body, naive, numerics (~4 min on an H100)
+                                                               # every body, naive, numerics (~4-5 min on an H100)
     python benchmarks/teacher_forcing.py --device cuda --shapes qwen3-1.7b --tokens 32768
     python benchmarks/teacher_forcing.py --device cuda --sweep --compile-body qwen3-0.6b,qwen3-4b
 """
@@ -657,7 +658,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=0,
                         help="Tokens per batch (prompt + response, all sequences); 0 = the shape's.")
     parser.add_argument("--chunk", type=int, default=0,
-                        help="Positions per lm-head call for 'engine'; 0 = the engine's default.")
+                        help="Positions per lm-head call for the engine rows; 0 = the engine's default.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed runs per case (best of).")
     parser.add_argument("--sweep", action="store_true",
                         help="CUDA: time the lm-head + statistics variants and the body instead.")

@@ -1,19 +1,30 @@
 """Teacher forcing: the trainer engine (chunked lm-head) against the naive full-logits path.
 
 For one batch of (prompt, response) pairs, every response token's logprob and its distribution's
-entropy, four ways:
+entropy, several ways (the defaults: engine-eager, engine-torch, naive, naive-logprobs on the CPU;
+every body, naive and numerics on CUDA):
 
-    engine          TrainerEngine.score_batch: model body once, then lm-head + softmax statistics
-                    over chunks of positions (4,096 on CUDA, through the fused Triton kernel of
-                    engines/fused.py; 1,024 on the CPU); also returns routed experts
-    engine-compiled the engine with compile_layers=True: each decoder layer torch.compile'd in
-                    place (the compile happens in the warm-up call; its time is first_call_s)
-    engine-torch    the engine with the fused kernel off (the torch chunk math, 1,024 positions a
-                    chunk): what runs where Triton is missing
+    engine-eager    TrainerEngine.score_batch with the eager body: model body once, then lm-head +
+                    softmax statistics over chunks of positions (4,096 on CUDA, through the fused
+                    Triton kernel of engines/fused.py; 1,024 on the CPU); also returns routed experts
+    engine-liger    the engine with Liger-Kernel's fused RMSNorm, SwiGLU and rotary embedding in
+                    the body (engines/body.py; CUDA, needs the liger-kernel wheel)
+    engine-compiled the engine with each decoder layer torch.compile'd (the default body on CUDA;
+                    the compile happens in the warm-up call; its time is first_call_s)
+    engine-compiled-liger  both: the Liger kernels inside the compiled layers
+    engine-torch    the eager engine with the fused head kernel off (the torch chunk math, 1,024
+                    positions a chunk): what runs where Triton is missing
     naive           model(ids).logits.float().log_softmax(-1), gather the targets, and the entropy
                     −Σ p·log p: the whole [tokens x vocab] float32 matrix and its log-softmax exist
                     at once, and the entropy makes two more of the response's size
     naive-logprobs  the naive path without the entropy (what the engine was first compared with)
+    numerics        not a speed row: every body's bf16 logprobs against the float32 model's on the
+                    same weights, at several depths (the model cut after its first d layers), and
+                    whether each meets the criterion (NUMERICS_CRITERION below)
+
+On CUDA each engine row also has the card's bf16 matmul peak, measured in the same process (the
+best of several large bf16 matmuls), and the fraction of it the row reaches by 2 · parameters ·
+tokens per second.
 
 Each (shape, method) runs in its own child process so peak memory is its own: on CUDA,
 torch.cuda.max_memory_allocated above what the weights and inputs hold; on the CPU, the kernel's
@@ -30,7 +41,8 @@ naive head) and the model body, eager and compiled (--compile-body): the numbers
 engine's chunk size and the breakdown of where the time goes.
 
     python benchmarks/teacher_forcing.py                       # CPU: tiny models + a big-vocab shape
-    python benchmarks/teacher_forcing.py --device cuda         # Qwen3-0.6B, 1.7B, 4B shapes, bf16, 16k tokens
+    python benchmarks/teacher_forcing.py --device cuda         # Qwen3-0.6B, 1.7B, 4B shapes, bf16, 16k tokens:
+                                                               # every body, naive, numerics (~4-5 min on an H100)
     python benchmarks/teacher_forcing.py --device cuda --shapes qwen3-1.7b --tokens 32768
     python benchmarks/teacher_forcing.py --device cuda --sweep --compile-body qwen3-0.6b,qwen3-4b
 """
@@ -39,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
 import platform
@@ -76,8 +89,19 @@ SHAPES: dict[str, dict] = {
 }
 DEFAULT_SHAPES = {"cpu": "tiny-dense,tiny-moe,bigvocab", "cuda": "qwen3-0.6b,qwen3-1.7b,qwen3-4b"}
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
-METHODS = ("engine", "engine-compiled", "engine-torch", "naive", "naive-logprobs")
+BODY_OF = {"engine-eager": "eager", "engine-liger": "liger", "engine-compiled": "compiled",
+           "engine-compiled-liger": "compiled-liger", "engine-torch": "eager"}
+METHODS = (*BODY_OF, "naive", "naive-logprobs", "numerics")
+DEFAULT_METHODS = {"cpu": "engine-eager,engine-torch,naive,naive-logprobs",
+                   "cuda": "engine-eager,engine-liger,engine-compiled,engine-compiled-liger,naive,numerics"}
 BASELINE = "naive"
+NUMERICS_CRITERION = (
+    "over all scored tokens, the mean and the 99.9th percentile of |logprob − reference logprob|, "
+    "against each of two float32 references (the float32 model whose weights the bf16 ones round, "
+    "and the bf16 weights computed in float32), are each at most the larger of the two eager bf16 "
+    "runs' (the engine's batch, and one sequence a forward: two roundings of the same eager code, "
+    "whose spread is eager bf16's own)")
+"""When a body's logprobs stay within the eager bf16 path's own distance from float32."""
 
 
 # ----------------------------------------------------------------------------- child side
@@ -146,6 +170,7 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
     import torch
 
     from rollmarket.engines import TrainerEngine, fused
+    from rollmarket.engines.body import BodyUnavailable
 
     shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
     if device == "cpu":
@@ -160,7 +185,17 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
     if method == "engine-torch":
         fused.available = lambda: False  # what an install without Triton runs
         chunk = chunk or 1024
-    engine = TrainerEngine(loaded, chunk=chunk or None, compile_layers=method == "engine-compiled")
+    result = dict(shape=name, method=method, device=device, precision=precision, batch=B, seq=S,
+                  prompt=P, tokens=B * S, scored_tokens=B * (S - P), vocab=vocab,
+                  parameters=sum(p.numel() for p in model.parameters()))
+    engine = None
+    if method in BODY_OF:
+        try:
+            engine = TrainerEngine(loaded, chunk=chunk or None, body=BODY_OF[method])
+        except BodyUnavailable as exc:
+            return dict(result, error=f"body unavailable: {exc}")
+        result.update(body=engine.body_patch.body, fused=list(engine.body_patch.fused), chunk=engine.chunk,
+                      fused_kernel=fused.available() and device.startswith("cuda"))
 
     def first_and_last(rows_BT) -> np.ndarray:
         return np.concatenate([np.asarray(rows_BT[0]), np.asarray(rows_BT[-1])])
@@ -188,13 +223,9 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    run = {"engine": run_engine, "engine-compiled": run_engine, "engine-torch": run_engine,
-           "naive": run_naive, "naive-logprobs": run_naive_logprobs}[method]
+    run = run_engine if engine is not None else {"naive": run_naive,
+                                                 "naive-logprobs": run_naive_logprobs}[method]
     start_mem, peak_mem = _memory_reader(device)
-    result = dict(shape=name, method=method, device=device, precision=precision, batch=B, seq=S,
-                  prompt=P, tokens=B * S, scored_tokens=B * (S - P), vocab=vocab)
-    if method.startswith("engine"):
-        result.update(chunk=engine.chunk, fused_kernel=fused.available() and device.startswith("cuda"))
     try:
         sync()
         started = time.perf_counter()
@@ -215,6 +246,11 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
         return dict(result, error=f"out of memory: {str(exc).splitlines()[0]}")
     # Best of the repeats: on a shared machine the minimum is the run least disturbed by others.
     seconds = min(times)
+    if device.startswith("cuda"):
+        peak_flops = matmul_peak_flops()
+        result.update(matmul_peak_tflops=peak_flops / 1e12,
+                      model_tflops=2 * result["parameters"] * B * S / seconds / 1e12,
+                      fraction_of_peak=2 * result["parameters"] * B * S / seconds / peak_flops)
     return dict(result, seconds=seconds, seconds_median=statistics.median(times),
                 tokens_per_s=B * S / seconds, peak_extra_bytes=peak - base,
                 peak_total_bytes=peak, logprobs_sample=[float(x) for x in logprobs],
@@ -387,67 +423,114 @@ def sweep_compile_body(name: str, precision: str, tokens: int, mode: str) -> dic
     return out
 
 
-def compile_accuracy(name: str, tokens: int) -> dict:
-    """How far bf16 logprobs move from float32 ones, eager and with compiled layers.
+def matmul_peak_flops(sizes: tuple[int, ...] = (8192, 16384), repeats: int = 8) -> float:
+    """The card's bf16 matmul rate in FLOP/s: the best of ``repeats`` timed n×n×n matmuls per size,
+    after a warm-up (the peak the fraction of peak is taken against, measured in the same process)."""
+    import torch
 
-    A compiled body rounds differently from the eager one (fused kernels keep intermediates in
-    float32 unless ``emulate_precision_casts`` is set), so its logprobs differ from the naive
-    path's by more than the lm-head statistics do. The fair question is whether they are further
-    from the float32 model's: this child answers it on the same random weights (float32 weights,
-    and their bf16 rounding as ``_build`` makes them).
+    best = 0.0
+    for n in sizes:
+        a_NN = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b_NN = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        out_NN = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            torch.matmul(a_NN, b_NN, out=out_NN)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a_NN, b_NN, out=out_NN)
+            end.record()
+            end.synchronize()
+            best = max(best, 2 * n**3 / (start.elapsed_time(end) / 1000))
+        del a_NN, b_NN, out_NN
+    torch.cuda.empty_cache()
+    return best
+
+
+def numerics(name: str, device: str, tokens: int) -> dict:
+    """Every body's bf16 logprobs against two float32 references, by depth, and the criterion.
+
+    One random-weight model: scored in float32 (the float32 model), then with its weights rounded
+    to bf16 but still computed in float32 (the exact answer of the bf16 weights: what is left of a
+    body's distance is its own rounding of the computation), then with the weights in bf16 (as
+    ``_build`` makes every bf16 model) by each body. Depth d runs the first d decoder layers, then
+    the final norm and the head (the decoder reads ``config.num_hidden_layers`` for its loop), so
+    the table shows how each body's distance grows layer by layer.
     """
+    from dataclasses import replace
+
     import numpy as np
     import torch
 
     from rollmarket.engines import TrainerEngine
+    from rollmarket.engines.precision import apply_precision, parse_precision
 
     shape = dict(SHAPES[name], tokens=tokens or SHAPES[name]["tokens"])
     B, S, P = shape["tokens"] // shape["seq"], shape["seq"], shape["prompt"]
-    vocab = shape["config"]["vocab_size"]
-    ids_BS = np.random.default_rng(0).integers(3, vocab, size=(B, S))
+    loaded = _build(shape, "fp32", device)
+    config = loaded.model.config
+    layers = config.num_hidden_layers
+    depths = sorted({1, layers // 4, layers // 2, 3 * layers // 4, layers} - {0})
+    ids_BS = np.random.default_rng(0).integers(3, loaded.info.vocab_size, size=(B, S))
     pairs = [(row[:P], row[P:]) for row in ids_BS]
 
-    def score(engine) -> tuple[np.ndarray, np.ndarray, float]:
-        engine.score_batch(pairs)  # warm-up (and compile)
-        times = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            scored = engine.score_batch(pairs)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        return (np.concatenate([tf.logprobs_T for tf in scored]),
-                np.concatenate([tf.entropies_T for tf in scored]), min(times))
+    def score(engine, depth: int) -> np.ndarray:
+        config.num_hidden_layers = depth
+        try:
+            return np.concatenate([tf.logprobs_T for tf in engine.score_batch(pairs)])
+        finally:
+            config.num_hidden_layers = layers
 
-    reference = _build(shape, "fp32", "cuda")
-    ref_lp, ref_ent, ref_s = score(TrainerEngine(reference))
-    del reference
-    gc.collect()
-    torch.cuda.empty_cache()
-    out: dict = dict(shape=name, batch=B, seq=S, prompt=P, fp32_seconds=ref_s, variants=[])
+    reference = TrainerEngine(loaded, body="eager")
+    refs = {"": {d: score(reference, d) for d in depths}}
+    with torch.no_grad():
+        for param in loaded.model.parameters():
+            param.data = param.data.to(torch.bfloat16).float()
+    refs["_exact"] = {d: score(reference, d) for d in depths}
+    bf16 = parse_precision("bf16")
+    loaded = replace(loaded, model=apply_precision(loaded.model, bf16), precision=bf16)
+    out: dict = dict(shape=name, method="numerics", device=device, batch=B, seq=S, prompt=P,
+                     layers=layers, depths=depths, scored_tokens=B * (S - P),
+                     criterion=NUMERICS_CRITERION, variants=[])
     eager_lp = None
-    for label, options in (("eager", None), ("compiled layers", {}),
-                           ("compiled layers, emulate_precision_casts",
-                            {"emulate_precision_casts": True})):
-        loaded = _build(shape, "bf16", "cuda")
-        if options is not None:
-            torch._dynamo.reset()  # no graph of the previous variant (other options) is reused
-            for layer in loaded.model.get_decoder().layers:
-                layer.compile(options=options)
-        lp, ent, seconds = score(TrainerEngine(loaded))
-        if eager_lp is None:
-            eager_lp = lp
-        row = dict(label=label, seconds=seconds, tokens_per_s=B * S / seconds,
-                   mean_abs_lp_vs_fp32=float(np.abs(lp - ref_lp).mean()),
-                   max_abs_lp_vs_fp32=float(np.abs(lp - ref_lp).max()),
-                   max_abs_ent_vs_fp32=float(np.abs(ent - ref_ent).max()),
-                   mean_abs_lp_vs_eager=float(np.abs(lp - eager_lp).mean()),
-                   max_abs_lp_vs_eager=float(np.abs(lp - eager_lp).max()))
+    # (label, body, engine options, by depth): the depth sweep is for the explanation (eager against
+    # compiled); the other rows need only the whole model.
+    variants = (("eager", "eager", {}, True), ("eager, one sequence a forward", "eager", {"max_batch_tokens": S}, False),
+                ("liger", "liger", {}, False), ("compiled", "compiled", {}, True),
+                ("compiled-liger", "compiled-liger", {}, False))
+    for label, body, options, sweep in variants:
+        if body.startswith("compiled"):
+            torch._dynamo.reset()  # no graph of another variant is reused
+        by_depth = []
+        try:
+            engine = TrainerEngine(loaded, body=body, **options)
+            for d in depths if sweep else depths[-1:]:  # the last depth is the whole model
+                lp = score(engine, d)
+                row = dict(depth=d)
+                for suffix, ref in refs.items():
+                    delta = np.abs(lp - ref[d])
+                    row.update({f"mean{suffix}": float(delta.mean()), f"p999{suffix}": float(np.quantile(delta, 0.999)),
+                                f"max{suffix}": float(delta.max())})
+                by_depth.append(row)
+        except Exception as exc:  # one body that fails (a missing wheel, a kernel error) is a row, not the run
+            out["variants"].append(dict(label=label, body=body, error=f"{type(exc).__name__}: {exc}"[:1000]))
+            print(f"{label}: {out['variants'][-1]['error']}", file=sys.stderr)
+            continue
+        finally:
+            engine = None
+            gc.collect()
+        eager_lp = lp if eager_lp is None else eager_lp
+        row = dict(label=label, body=body, by_depth=by_depth, **{k: v for k, v in by_depth[-1].items() if k != "depth"},
+                   mean_vs_eager=float(np.abs(lp - eager_lp).mean()), max_vs_eager=float(np.abs(lp - eager_lp).max()))
         out["variants"].append(row)
         print(json.dumps(row), file=sys.stderr)
-        del loaded
-        gc.collect()
-        torch.cuda.empty_cache()
+    eager_rows = [v for v in out["variants"] if v["body"] == "eager" and "error" not in v]
+    keys = ("mean", "p999", "mean_exact", "p999_exact")
+    bound = {k: max(v[k] for v in eager_rows) for k in keys}
+    out["bound"] = bound
+    for v in out["variants"]:
+        if "error" not in v:
+            v["meets_criterion"] = all(v[k] <= bound[k] for k in keys)
     return out
 
 
@@ -480,7 +563,7 @@ def _max_abs(a, b) -> float | None:
 def _compare(rows: dict[str, dict]) -> None:
     """Ratios and differences of every method against the two naive ones, in place."""
     for row in rows.values():
-        if "error" in row:
+        if "error" in row or "tokens_per_s" not in row:
             continue
         for ref_name, suffix in ((BASELINE, "naive"), ("naive-logprobs", "naive_logprobs")):
             ref = rows.get(ref_name)
@@ -502,13 +585,20 @@ def _meta(args, kind: str) -> dict:
     import torch
 
     if kind == "cuda":
+        from rollmarket.engines.body import CUDA_BODY
+
         meta["gpu"] = torch.cuda.get_device_name(0)
+        meta["cuda_default_body"] = CUDA_BODY
     meta["torch"] = torch.__version__
     meta["transformers"] = __import__("transformers").__version__
     try:
         meta["triton"] = __import__("triton").__version__
     except ImportError:
         meta["triton"] = None
+    try:
+        meta["liger_kernel"] = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        meta["liger_kernel"] = None
     return meta
 
 
@@ -529,25 +619,13 @@ def _sweep(args, names: list[str], console) -> dict:
         results.append(_run_child(name, "sweep", args))
         if name in args.compile_body.split(","):
             # compile-whole also exists: it ran past 75 s on the 0.6B shape, so it is not in the sweep.
-            for mode in ("compile-regional", "accuracy"):
-                console.log(f"sweep {name}: {mode}")
-                results.append(_run_child(name, mode, args))
+            console.log(f"sweep {name}: compile-regional")
+            results.append(_run_child(name, "compile-regional", args))
     for res in results:
         if "error" in res:
             console.print(f"[red]{res.get('shape')} {res.get('method')}: {res['error'][-1500:]}")
             continue
-        if "fp32_seconds" in res:
-            table = Table(title=f"{res['shape']}: bf16 logprobs against the float32 model's "
-                                f"(same weights), {res['batch']}×{res['seq']}")
-            for col in ("variant", "tokens/s", "mean |Δ| vs fp32", "max |Δ| vs fp32",
-                        "mean |Δ| vs eager", "max |Δ| vs eager"):
-                table.add_column(col, justify="left" if col == "variant" else "right")
-            for v in res["variants"]:
-                table.add_row(v["label"], f"{v['tokens_per_s']:,.0f}", _e(v["mean_abs_lp_vs_fp32"]),
-                              _e(v["max_abs_lp_vs_fp32"]), _e(v["mean_abs_lp_vs_eager"]),
-                              _e(v["max_abs_lp_vs_eager"]))
-            console.print(table)
-        elif "variants" in res:
+        if "variants" in res:
             table = Table(title=f"{res['shape']}: body {res['body_ms']:.1f} ms "
                                 f"({res['body_with_mask_ms']:.1f} with a mask); lm-head + statistics "
                                 f"over {res['batch'] * (res['seq'] - res['prompt']):,} positions")
@@ -572,23 +650,24 @@ def main() -> None:
     parser.add_argument("--shapes", default=None,
                         help=f"Comma-separated, from {', '.join(SHAPES)}. Default: "
                              f"{DEFAULT_SHAPES['cpu']} on cpu, {DEFAULT_SHAPES['cuda']} on cuda.")
-    parser.add_argument("--methods", default=",".join(METHODS),
-                        help=f"Comma-separated, from {', '.join(METHODS)}.")
+    parser.add_argument("--methods", default=None,
+                        help=f"Comma-separated, from {', '.join(METHODS)}. Default: "
+                             f"{DEFAULT_METHODS['cpu']} on cpu, {DEFAULT_METHODS['cuda']} on cuda.")
     parser.add_argument("--precision", default=None,
                         help="fp32, bf16, fp16 or fp8. Default: fp32 on cpu, bf16 on cuda.")
     parser.add_argument("--tokens", type=int, default=0,
                         help="Tokens per batch (prompt + response, all sequences); 0 = the shape's.")
     parser.add_argument("--chunk", type=int, default=0,
-                        help="Positions per lm-head call for 'engine'; 0 = the engine's default.")
+                        help="Positions per lm-head call for the engine rows; 0 = the engine's default.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed runs per case (best of).")
     parser.add_argument("--sweep", action="store_true",
                         help="CUDA: time the lm-head + statistics variants and the body instead.")
     parser.add_argument("--compile-body", default="", metavar="SHAPES",
-                        help="With --sweep: also time these shapes' body with compiled layers, and "
-                             "measure compiled and eager bf16 logprobs against float32 ones.")
+                        help="With --sweep: also time these shapes' body with compiled layers.")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON output. Default: benchmarks/results/teacher_forcing-<device>.json "
-                             "(teacher_forcing-sweep-cuda.json with --sweep).")
+                        help="JSON output. Default: benchmarks/results/teacher_forcing-cpu.json on cpu, "
+                             "teacher_forcing-bodies-cuda.json on cuda (teacher_forcing-sweep-cuda.json "
+                             "with --sweep).")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "METHOD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
@@ -598,8 +677,8 @@ def main() -> None:
         name, method = args.child
         if method == "sweep":
             res = sweep_head(name, args.precision, args.tokens)
-        elif method == "accuracy":
-            res = compile_accuracy(name, args.tokens)
+        elif method == "numerics":
+            res = numerics(name, args.device, args.tokens)
         elif method.startswith("compile-"):
             res = sweep_compile_body(name, args.precision, args.tokens, method.split("-", 1)[1])
         else:
@@ -625,7 +704,7 @@ def main() -> None:
         console.print(f"wrote {out}")
         return
 
-    methods = args.methods.split(",")
+    methods = (args.methods or DEFAULT_METHODS[kind]).split(",")
     if any(m not in METHODS for m in methods):
         parser.error(f"unknown method in {methods}; choose from {', '.join(METHODS)}")
     results = []
@@ -640,25 +719,52 @@ def main() -> None:
             row.pop("entropies_sample", None)
             results.append(row)
 
+    speed = [r for r in results if r["method"] != "numerics"]
     table = Table(title=f"Teacher forcing on {args.device} at {args.precision}")
     for col in ("shape", "method", "chunk", "batch×seq", "tokens/s", "peak extra GiB",
                 "speed vs naive", "speed vs naive-lp", "peak vs naive", "peak vs naive-lp",
-                "max |Δ| logprob", "max |Δ| entropy"):
+                "of matmul peak", "max |Δ| logprob", "max |Δ| entropy"):
         table.add_column(col, justify="left" if col in ("shape", "method") else "right")
-    for row in results:
+    for row in speed:
         if "error" in row:
             table.add_row(row["shape"], row["method"], "", "", "error: " + row["error"][-60:])
             continue
+        peak = row.get("fraction_of_peak")
         table.add_row(
             row["shape"], row["method"], str(row.get("chunk", "")), f"{row['batch']}×{row['seq']}",
             f"{row['tokens_per_s']:,.0f}", _gb(row["peak_extra_bytes"]),
             _x(row.get("speedup_vs_naive")), _x(row.get("speedup_vs_naive_logprobs")),
             _x(row.get("peak_extra_ratio_vs_naive"), 3),
             _x(row.get("peak_extra_ratio_vs_naive_logprobs"), 3),
+            "" if peak is None else f"{100 * peak:.0f}% of {row['matmul_peak_tflops']:.0f} TF/s",
             _e(row.get("max_abs_logprob_diff_vs_naive")), _e(row.get("max_abs_entropy_diff_vs_naive")))
     console.print(table)
+    for res in results:
+        if res["method"] != "numerics":
+            continue
+        if "error" in res:
+            console.print(f"[red]{res['shape']} numerics: {res['error'][-1500:]}")
+            continue
+        table = Table(title=f"{res['shape']}: |Δ logprob| against the float32 model (same weights), "
+                            f"mean / p99.9 / max, after d of {res['layers']} layers (last column: against "
+                            f"the bf16 weights computed in float32)")
+        table.add_column("body", justify="left")
+        for d in res["depths"]:
+            table.add_column(f"d = {d}", justify="right")
+        for col in ("exact: mean / p99.9", "vs eager mean / max", "meets"):
+            table.add_column(col, justify="right")
+        for v in res["variants"]:
+            if "error" in v:
+                table.add_row(v["label"], "error: " + v["error"][-80:])
+                continue
+            at = {x["depth"]: f"{x['mean']:.1e} / {x['p999']:.1e} / {x['max']:.1e}" for x in v["by_depth"]}
+            table.add_row(v["label"], *[at.get(d, "") for d in res["depths"]],
+                          f"{_e(v['mean_exact'])} / {_e(v['p999_exact'])}",
+                          f"{_e(v['mean_vs_eager'])} / {_e(v['max_vs_eager'])}", "yes" if v["meets_criterion"] else "no")
+        console.print(table)
 
-    out = args.out or ROOT / "benchmarks" / "results" / f"teacher_forcing-{kind}.json"
+    out = args.out or ROOT / "benchmarks" / "results" / (
+        "teacher_forcing-bodies-cuda.json" if kind == "cuda" else "teacher_forcing-cpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": _meta(args, kind), "results": results}, indent=2) + "\n")
     console.print(f"wrote {out}")

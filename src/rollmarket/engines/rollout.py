@@ -231,5 +231,6 @@ class RolloutEngine:
     def fingerprint(self) -> str:
         """The numerical fingerprint of this model at this precision (see ``fingerprint``)."""
         if self._fingerprint is None:
-            self._fingerprint = TrainerEngine(self.loaded).fingerprint()
+            # Eager, as this engine decodes (a trainer engine on CUDA defaults to a compiled body).
+            self._fingerprint = TrainerEngine(self.loaded, body="eager").fingerprint()
         return self._fingerprint

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .body import Body, BodyPatch, default_body
 from .fingerprint import canonical_pairs, fingerprint_from_logprobs
 from .loading import LoadedModel, load_model
 from .precision import Precision
@@ -94,29 +95,26 @@ class TrainerEngine:
     ``chunk`` is the positions per lm-head call; by default 1,024 on the CPU and 4,096 on CUDA,
     where the fused kernel holds only the chunk's logits at model precision.
 
-    ``compile_layers=True`` compiles each decoder layer in place with ``torch.compile`` (regional
-    compilation: identical layers share one graph, so it takes seconds where compiling the whole
-    body ran past 75 s on an H100). It is opt-in: the compiled body rounds bf16 differently, so
-    its logprobs move by about as much as bf16's own error (docs/benchmarks.md). The model is
-    then meant for teacher forcing alone: a rollout engine decoding with it would recompile for
-    its cache. A new batch shape recompiles once, after which shapes are dynamic.
+    ``body`` picks how the model body runs (``engines.body``): "eager", "liger" (Liger-Kernel's
+    fused Triton kernels, CUDA), "compiled" (each decoder layer ``torch.compile``d) or
+    "compiled-liger". By default: "compiled" for a dense model on CUDA, chosen by speed and by a
+    numerics criterion against the float32 model (docs/benchmarks.md), and eager on the CPU and for
+    MoE models. The body applies only inside the engine's forward, so a model shared with a
+    rollout engine or a learner stays eager for them. A compiled body compiles on its first call
+    (seconds) and once more for the next new batch shape, after which shapes are dynamic.
     """
 
     name = "rollmarket-teacher"
 
     def __init__(self, loaded: LoadedModel, *, chunk: int | None = None,
-                 max_batch_tokens: int = 16384, compile_layers: bool = False):
+                 max_batch_tokens: int = 16384, body: Body | None = None):
         self.loaded = loaded
         self.info = loaded.info
         self.chunk = chunk or (CUDA_CHUNK if torch.device(loaded.device).type == "cuda" else CPU_CHUNK)
         self.max_batch_tokens = max_batch_tokens
         self.body, self.head = _body_and_head(loaded.model)
-        if compile_layers:
-            layers = getattr(self.body, "layers", None)
-            if layers is None:
-                raise ValueError(f"{type(self.body).__name__} has no .layers to compile")
-            for layer in layers:
-                layer.compile()
+        body = body or default_body(self.body, loaded.device, moe=bool(loaded.info.num_moe_layers))
+        self.body_patch = BodyPatch(self.body, body)
 
     @classmethod
     def from_path(cls, path, precision: str | Precision = "fp32", device="cpu", **kw) -> "TrainerEngine":
@@ -196,7 +194,7 @@ class TrainerEngine:
             replay = RouterReplay(self.loaded.model, replay_positions(
                 [(p.size, e) for (p, _), e in zip(batch, replays)], S, len(capture.routers), top_k))
         # Replay first, so the capture (registered after it) records the experts actually used.
-        with replay, capture:
+        with replay, capture, self.body_patch:
             hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS,
                                    use_cache=False).last_hidden_state
         experts_BSLK = capture.take(B, S) if capture.active else None

@@ -22,7 +22,7 @@ from ..engines import TrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
 from ..engines.routing import RouterReplay, moe_routers, replay_problem, replayable
-from ..engines.teacher import TeacherForced
+from ..engines.teacher import TeacherForced, _body_and_head
 from ..observatory.dense import dense_summary
 from ..observatory.offpolicy import FIGURE_NAMES, flatten_padded, offpolicy_figures
 from .batch import Batch, Datum, collate
@@ -30,9 +30,10 @@ from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
-from .losses import LossConfig, policy_loss, token_logprobs
+from .head import default_chunk, head_token_stats
+from .losses import LossConfig, policy_loss
 from .planning import decode_fn, make_detector
-from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages, token_entropy
+from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages
 
 TRAINER_STATE = "trainer"
 """Sub-directory of a checkpoint with what only the trainer needs (optimizer, counters, adapters).
@@ -65,6 +66,7 @@ class Learner:
             model = apply_lora(model, config.lora)
         self.model = model.eval()
         self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+        self.chunk = default_chunk(self.loaded.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = config.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
@@ -119,13 +121,26 @@ class Learner:
             return contextlib.nullcontext()
         return RouterReplay(model, batch.replay_BSLK.flatten(0, 1))
 
-    def _forward(self, batch, temperature: float):
-        with self._replay(self.model, batch):
-            logits_BSV = self.model(input_ids=batch.ids_BS.to(self.loaded.device),
-                                    attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
-        # The policy is the distribution the engine sampled from: logits / temperature.
-        logits_BTV = logits_BSV[:, :-1] / temperature
-        return logits_BTV, token_logprobs(logits_BTV, batch.ids_BS[:, 1:]).cpu()
+    def _token_stats(self, model: torch.nn.Module, batch: Batch, temperature: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] logprobs (differentiable where `model`'s weights are) and detached entropies of
+        `batch`'s tokens under `model` at ``temperature``, the distribution the engine sampled from.
+
+        The lm-head runs through ``ChunkedHead`` on the slots of ``mask_BT`` alone, so no
+        [B, T, vocab] tensor exists; the other slots hold 0, which every use masks out."""
+        device = self.loaded.device
+        body, head = _body_and_head(model)
+        with self._replay(model, batch):
+            hidden_BSH = body(input_ids=batch.ids_BS.to(device), attention_mask=batch.attention_BS.to(device),
+                              use_cache=False).last_hidden_state
+        B, T = batch.mask_BT.shape
+        at_N = batch.mask_BT.flatten().nonzero().squeeze(-1)
+        hidden_NH = hidden_BSH[:, :-1].reshape(B * T, -1)[at_N.to(device)]
+        logprobs_N, entropies_N = head_token_stats(hidden_NH, head, batch.ids_BS[:, 1:].reshape(-1)[at_N],
+                                                   temperature=temperature, chunk=self.chunk)
+        zeros_BT = torch.zeros(B * T)
+        return (zeros_BT.index_put((at_N,), logprobs_N.float().cpu()).view(B, T),
+                zeros_BT.index_put((at_N,), entropies_N.detach().float().cpu()).view(B, T))
 
     def _planning_mask(self, data: list[Datum], shape: torch.Size) -> torch.Tensor | None:
         """[B, T] 1 on response tokens the planning detector marks, in the batch's slot layout; None
@@ -183,13 +198,11 @@ class Learner:
         old_BT = batch.old_BT
         if old_BT is None:  # π_old before any update: every mini-batch's ratio is against the same policy
             with torch.no_grad():
-                old_BT = self._forward(batch, temperature)[1]
+                old_BT = self._token_stats(self.model, batch, temperature)[0]
         ref_BT = None
         if self.reference is not None:
-            with torch.no_grad(), self._replay(self.reference, batch):
-                logits = self.reference(input_ids=batch.ids_BS.to(self.loaded.device),
-                                        attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
-                ref_BT = token_logprobs(logits[:, :-1] / temperature, batch.ids_BS[:, 1:]).cpu()
+            with torch.no_grad():
+                ref_BT = self._token_stats(self.reference, batch, temperature)[0]
         delta_BT = (old_BT - batch.behaviour_BT) * mask_BT
         corr = self._correction(delta_BT, mask_BT)
         corrected_BT = batch.corrected_B[:, None].expand_as(mask_BT)
@@ -204,9 +217,7 @@ class Learner:
         for rows in minibatches:
             rows_t = torch.from_numpy(rows)
             sub = _rows(batch, rows_t)
-            logits_BTV, logprobs_BT = self._forward(sub, temperature)
-            entropies_BT[rows_t] = token_entropy(logits_BTV).cpu()
-            del logits_BTV
+            logprobs_BT, entropies_BT[rows_t] = self._token_stats(self.model, sub, temperature)
             adv_BT, _ = token_advantages(
                 sub.advantages_B, entropies_BT[rows_t], sub.mask_BT, transform,
                 planning_mask_BT=None if planning_BT is None else planning_BT[rows_t], sepa_lambda=lam)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
 from .head import default_chunk, head_token_stats
 from .losses import LossConfig, policy_loss
+from .sharded import TOKEN_STATS_METHOD, full_value, global_loss_scale, is_sharded, shard_policy
 from .planning import decode_fn, make_detector
 from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages
 
@@ -41,23 +43,28 @@ Workers read only the top level (`*.safetensors`, config, tokenizer), so it stay
 
 
 class Learner:
-    """The policy being trained, on one device (`fully_shard` is the path to several; DESIGN.md)."""
+    """The policy being trained, on one device or sharded by FSDP2 over ``mesh`` (train/sharded.py).
 
-    def __init__(self, config: TrainConfig, *, resume_from: Path | None = None):
+    With a mesh every rank constructs it, passes its own rows to ``step`` (the same number on every
+    rank) and makes the same calls in the same order; the update is the one a single process would
+    take on all the rows. Scoring (``score``) and checkpoints stay single-process for now."""
+
+    def __init__(self, config: TrainConfig, *, resume_from: Path | None = None, mesh=None):
         self.config = config
         torch.manual_seed(config.seed)
         torch.set_num_threads(config.model.threads)
         self.base_path = Path(config.model.path)
         # Full fine-tuning resumes from the checkpoint's weights; LoRA from the base plus its adapters.
         start = resume_from if resume_from is not None and not config.lora.enabled else self.base_path
-        self.loaded: LoadedModel = load_model(start, "fp32", config.model.device)
+        # Sharded, each rank loads on the CPU and ``fully_shard`` moves its shard to the mesh's device.
+        self.loaded: LoadedModel = load_model(start, "fp32", "cpu" if mesh is not None else config.model.device)
         if config.trainer.router_replay and not self.loaded.info.is_moe:
             raise TrainConfigError(f"trainer.router_replay needs an MoE model; {config.model.path} is dense",
                                    fix="set trainer.router_replay = false")
         self.reference = None
         if config.algorithm.kl_coef > 0:  # the starting policy, frozen
-            base = self.loaded.model if start == self.base_path else load_model(self.base_path, "fp32",
-                                                                                config.model.device).model
+            base = self.loaded.model if start == self.base_path else load_model(
+                self.base_path, "fp32", self.loaded.device).model
             self.reference = copy.deepcopy(base).eval().requires_grad_(False)
         model = self.loaded.model
         if config.lora.enabled:
@@ -65,7 +72,16 @@ class Learner:
 
             model = apply_lora(model, config.lora)
         self.model = model.eval()
-        self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+        self.engine: TrainerEngine | None = None
+        if mesh is None:
+            self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+        else:
+            device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+                      else torch.device(mesh.device_type))
+            for policy in (self.model, self.reference):
+                if policy is not None:
+                    shard_policy(policy, mesh, policy_token_stats)
+            self.loaded = replace(self.loaded, device=device)
         self.chunk = default_chunk(self.loaded.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = config.optim
@@ -90,6 +106,8 @@ class Learner:
               replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         """π_old's logprobs, entropies and routed experts of each (prompt, response) pair, routed
         through ``replayed_experts`` where given (router replay)."""
+        if self.engine is None:
+            raise RuntimeError("a sharded Learner does not score; use engines.fsdp.FSDPTrainerEngine")
         self.model.eval()
         return self.engine.score_batch(pairs, temperature=temperature, replayed_experts=replayed_experts)
 
@@ -124,20 +142,17 @@ class Learner:
     def _token_stats(self, model: torch.nn.Module, batch: Batch, temperature: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T] logprobs (differentiable where `model`'s weights are) and detached entropies of
-        `batch`'s tokens under `model` at ``temperature``, the distribution the engine sampled from.
+        `batch`'s tokens under `model` at ``temperature``, the distribution the engine sampled from;
+        through the sharded model's registered method under FSDP.
 
-        The lm-head runs through ``ChunkedHead`` on the slots of ``mask_BT`` alone, so no
-        [B, T, vocab] tensor exists; the other slots hold 0, which every use masks out."""
+        Only the slots of ``mask_BT`` are scored, so the other slots hold 0, which every use masks out."""
         device = self.loaded.device
-        body, head = _body_and_head(model)
-        with self._replay(model, batch):
-            hidden_BSH = body(input_ids=batch.ids_BS.to(device), attention_mask=batch.attention_BS.to(device),
-                              use_cache=False).last_hidden_state
         B, T = batch.mask_BT.shape
         at_N = batch.mask_BT.flatten().nonzero().squeeze(-1)
-        hidden_NH = hidden_BSH[:, :-1].reshape(B * T, -1)[at_N.to(device)]
-        logprobs_N, entropies_N = head_token_stats(hidden_NH, head, batch.ids_BS[:, 1:].reshape(-1)[at_N],
-                                                   temperature=temperature, chunk=self.chunk)
+        stats = getattr(model, TOKEN_STATS_METHOD) if is_sharded(model) else partial(policy_token_stats, model)
+        with self._replay(model, batch):
+            logprobs_N, entropies_N = stats(batch.ids_BS.to(device), batch.attention_BS.to(device),
+                                            at_N.to(device), temperature, self.chunk)
         zeros_BT = torch.zeros(B * T)
         return (zeros_BT.index_put((at_N,), logprobs_N.float().cpu()).view(B, T),
                 zeros_BT.index_put((at_N,), entropies_N.detach().float().cpu()).view(B, T))
@@ -226,18 +241,18 @@ class Learner:
                 logprobs_BT, old_BT[rows_t], adv_BT, sub_loss_mask_BT, loss_config,
                 is_weights_BT=weights_BT[rows_t] if bool(sub.corrected_B.any()) else None,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT[rows_t])
+            tokens_B = sub_loss_mask_BT.sum(dim=1)
+            divides_by = {"token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
+                a.aggregation, float((tokens_B > 0).sum()))
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * global_loss_scale(divides_by, self.loaded.device)).backward()
             failpoints.reach(Failpoint.in_optimizer_step)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip)
             self.optimizer.step()
-            grad_norms.append(float(grad_norm))
-            tokens_B = sub_loss_mask_BT.sum(dim=1)
+            grad_norms.append(float(full_value(grad_norm)))
             per_token.add(float(tokens_B.sum()), {k: loss_metrics[k] for k in
                                                   ("actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_ref")})
-            divides_by = {"token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
-                a.aggregation, float((tokens_B > 0).sum()))
             per_agg.add(divides_by, {"actor/pg_loss": loss_metrics["actor/pg_loss"], "loss": float(loss.detach())})
         self.model.eval()
         self.steps_done += 1
@@ -348,6 +363,18 @@ class Learner:
         self.steps_done = int(state["steps_done"])
         self.sepa.gate_open = bool(state.get("sepa_gate_open", self.sepa.gate_open))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+
+
+def policy_token_stats(model: torch.nn.Module, ids_BS: torch.Tensor, attention_BS: torch.Tensor, at_N: torch.Tensor,
+                       temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of the next token at the flat [B·T] slots ``at_N`` of a right-padded
+    batch: the model body once, then the chunked lm-head (train/head.py) on those slots' hidden
+    states alone, so no [B, T, vocab] tensor exists in the forward or the backward."""
+    body, head = _body_and_head(model)
+    hidden_BSH = body(input_ids=ids_BS, attention_mask=attention_BS, use_cache=False).last_hidden_state
+    B, S, H = hidden_BSH.shape
+    hidden_NH = hidden_BSH[:, :-1].reshape(B * (S - 1), H)[at_N]
+    return head_token_stats(hidden_NH, head, ids_BS[:, 1:].reshape(-1)[at_N], temperature=temperature, chunk=chunk)
 
 
 def read_state(checkpoint: Path) -> dict:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 
 CPU_CHUNK = 1024
-CUDA_CHUNK = 2048
-"""Positions per lm-head call in training on CUDA. The backward holds about four ``[chunk, vocab]``
-buffers (the logits at model precision; z, p and the logits' gradient in float32): 3.4 GB at a
-152k vocabulary, where the naive step keeps several 10 GB copies (docs/benchmarks.md)."""
+CUDA_CHUNK = 1024
+"""Positions per lm-head call in training on CUDA. The backward holds two float32 ``[chunk, vocab]``
+buffers (log p, then the logits' gradient in its place; p) and the gradient at model precision:
+1.5 GB at a 152k vocabulary, where the naive step keeps several 10 GB copies at 16k tokens
+(docs/benchmarks.md). The matmuls stay large enough at 1,024 rows to run near the card's peak."""
 
 
 def default_chunk(device: torch.device | str) -> int:
@@ -72,9 +73,9 @@ class ChunkedHead(torch.autograd.Function):
         temperature, chunk = ctx.temperature, ctx.chunk
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden_NH = torch.empty_like(hidden_NH) if need_hidden else None
-        # Accumulated over chunks in the statistics dtype, then rounded once to the weight's.
-        grad_weight_VH = (torch.zeros(weight_VH.shape, dtype=_stat_dtype(weight_VH.dtype), device=weight_VH.device)
-                          if need_weight else None)
+        # Accumulated at the weight's dtype, as autograd keeps the weight's gradient (Liger-Kernel's
+        # fused linear cross-entropy does the same); a float32 copy would add 1.2 GB at 1.7B's head.
+        grad_weight_VH = torch.zeros_like(weight_VH) if need_weight else None
         for s in range(0, hidden_NH.shape[0], chunk):
             h_CH = hidden_NH[s:s + chunk]
             g_lp_C1, g_h_C1 = grad_logprob_N[s:s + chunk, None], grad_entropy_N[s:s + chunk, None]
@@ -92,10 +93,8 @@ class ChunkedHead(torch.autograd.Function):
             if need_hidden:
                 grad_hidden_NH[s:s + chunk] = dlogits_CV @ weight_VH
             if need_weight:
-                grad_weight_VH += dlogits_CV.T @ h_CH
+                grad_weight_VH.addmm_(dlogits_CV.T, h_CH)
             del dlogits_CV
-        if need_weight:
-            grad_weight_VH = grad_weight_VH.to(weight_VH.dtype)
         return grad_hidden_NH, grad_weight_VH, None, None, None
 
 

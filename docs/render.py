@@ -1032,18 +1032,19 @@ def _():
     raw = load(LEARNER_STEP)
     rows = []
     for r in raw["results"]:
-        if "error" in r:
-            rows.append([r["method"], "", "", "", "", "", "", "", "", f"error: {r['error'].splitlines()[-1][:80]}"])
-            continue
         def ratio(key: str, digits: int = 2, r=r) -> str:
             return "–" if r.get(key) is None else times(r[key], digits)
 
-        head = r.get("head_peak_extra_bytes")
-        rows.append([bold(r["method"], r["method"] == "naive"), str(r["world_size"]), str(r["chunk"] or "–"),
-                     f"{r['seconds']:.3f}", f"{r['steps_per_s']:.2f}", gib(r["peak_extra_bytes"]),
-                     ratio("peak_extra_ratio_vs_naive", 3), "–" if head is None else gib(head),
-                     ratio("head_peak_ratio_vs_naive", 3), ratio("step_rate_vs_fsdp_1")])
-    first = next((r for r in raw["results"] if "error" not in r), None)
+        if "seconds" in r:
+            step = [f"{r['seconds']:.3f}", f"{r['steps_per_s']:.2f}", gib(r["peak_extra_bytes"]),
+                    ratio("peak_extra_ratio_vs_naive", 3)]
+        else:
+            step = [f"error: {(r.get('error') or '?').splitlines()[-1][:80]}", "", "", ""]
+        head = gib(r["head_peak_extra_bytes"]) if "head_peak_extra_bytes" in r else r.get("head_error", "–")[:60]
+        rows.append([bold(r["method"], r["method"] == "naive"), str(r.get("world_size", "")),
+                     str(r.get("chunk") or "–"), *step, head, ratio("head_peak_ratio_vs_naive", 3),
+                     ratio("step_rate_vs_fsdp_1")])
+    first = next((r for r in raw["results"] if "batch" in r), None)
     shape = "" if first is None else (
         f"Shape `{first['shape']}`, {first['precision']}, {first['batch']}×{first['seq']} tokens "
         f"({n(first['loss_tokens'])} in the loss), activation checkpointing "

@@ -400,7 +400,7 @@ def test_learner_step_block_says_not_measured_then_renders_the_json(tmp_path, mo
     monkeypatch.setattr(render, "ROOT", tmp_path)
     assert render.BLOCKS["learner-step-cuda"]().startswith("Not measured yet")
     common = dict(shape="qwen3-1.7b", precision="bf16", batch=8, seq=2048, loss_tokens=14336, checkpointing=True)
-    results = [dict(method="fsdp-1", error="out of memory: CUDA out of memory"),
+    results = [dict(method="fsdp-1", error="Traceback ...\nout of memory: CUDA out of memory"),
                dict(common, method="naive", world_size=1, chunk=None, seconds=2.0, steps_per_s=0.5,
                     peak_extra_bytes=40 * 2**30),
                dict(common, method="chunked", world_size=1, chunk=2048, seconds=1.6, steps_per_s=0.625,

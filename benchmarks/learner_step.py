@@ -152,12 +152,11 @@ def _head_only(method: str, model, mask_BT, device: str, chunk: int, repeats: in
     on the slots it scores in the step (naive: every slot; chunked: the loss's)."""
     import torch
 
-    from rollmarket.engines.teacher import _body_and_head
-    from rollmarket.train.head import head_token_stats
+    from rollmarket.train.head import body_and_head, head_token_stats
     from rollmarket.train.losses import token_logprobs
     from rollmarket.train.transforms import token_entropy
 
-    _, head = _body_and_head(model)
+    _, head = body_and_head(model)
     N = mask_BT.numel() if method == "naive" else int(mask_BT.sum())
     hidden_NH = torch.randn(N, head.weight.shape[1], dtype=head.weight.dtype, device=device, requires_grad=True)
     targets_N = torch.randint(0, head.weight.shape[0], (N,), device=device)

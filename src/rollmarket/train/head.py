@@ -98,6 +98,12 @@ class ChunkedHead(torch.autograd.Function):
         return grad_hidden_NH, grad_weight_VH, None, None, None
 
 
+def body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A causal LM's decoder body (input ids → last hidden states) and its lm-head, as
+    ``engines.teacher`` splits it (peft-wrapped models forward ``get_decoder`` and ``lm_head``)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model, model.lm_head
+
+
 def head_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_N: torch.Tensor, *,
                      temperature: float = 1.0, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, log π(target) and the entropy of π at ``temperature`` through ``lm_head`` (a

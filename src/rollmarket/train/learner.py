@@ -23,7 +23,7 @@ from ..engines import TrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
 from ..engines.routing import RouterReplay, moe_routers, replay_problem, replayable
-from ..engines.teacher import TeacherForced, _body_and_head
+from ..engines.teacher import TeacherForced
 from ..observatory.dense import dense_summary
 from ..observatory.offpolicy import FIGURE_NAMES, flatten_padded, offpolicy_figures
 from .batch import Batch, Datum, collate
@@ -31,7 +31,7 @@ from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
-from .head import default_chunk, head_token_stats
+from .head import body_and_head, default_chunk, head_token_stats
 from .losses import LossConfig, policy_loss
 from .sharded import TOKEN_STATS_METHOD, full_value, global_loss_scale, is_sharded, shard_policy
 from .planning import decode_fn, make_detector
@@ -370,7 +370,7 @@ def policy_token_stats(model: torch.nn.Module, ids_BS: torch.Tensor, attention_B
     """Logprob and entropy of the next token at the flat [B·T] slots ``at_N`` of a right-padded
     batch: the model body once, then the chunked lm-head (train/head.py) on those slots' hidden
     states alone, so no [B, T, vocab] tensor exists in the forward or the backward."""
-    body, head = _body_and_head(model)
+    body, head = body_and_head(model)
     hidden_BSH = body(input_ids=ids_BS, attention_mask=attention_BS, use_cache=False).last_hidden_state
     B, S, H = hidden_BSH.shape
     hidden_NH = hidden_BSH[:, :-1].reshape(B * (S - 1), H)[at_N]

@@ -85,3 +85,38 @@ def test_bad_heads_and_settings_are_refused():
         head_token_stats(hidden, head, targets, temperature=0.0)
     with pytest.raises(ValueError, match="chunk"):
         head_token_stats(hidden, head, targets, chunk=-1)
+
+
+def test_activation_checkpointing_recomputes_layers_and_takes_the_same_update():
+    """trainer.activation_checkpointing: each decoder layer runs again in the backward (a forward
+    hook inside it fires twice per update), and the step's update and metrics are the plain step's."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from rollmarket.train.batch import Datum
+    from rollmarket.train.config import resolve
+    from rollmarket.train.learner import Learner
+
+    model = Path(__file__).resolve().parents[1] / "models" / "tiny-dense"
+    args = [f"model.path={json.dumps(str(model))}", "optim.lr=1e-3"]
+    rng = np.random.default_rng(0)
+    data = [Datum(rng.integers(3, 200, 5), rng.integers(3, 200, n), np.full(n, -2.0, np.float32),
+                  np.ones(n, np.float32), advantage=a, old_logprobs_T=np.full(n, -2.0, np.float32))
+            for n, a in ((7, 1.0), (4, -1.0))]
+    learners, calls = {}, {}
+    for on in (False, True):
+        learners[on] = Learner(resolve(None, [*args, f"trainer.activation_checkpointing={str(on).lower()}"]))
+        inside = learners[on].model.model.layers[0].mlp  # in the checkpointed region however it is wrapped
+        calls[on] = []
+        # A pre-hook: the recompute stops once the last saved tensor is rebuilt, before the mlp returns.
+        inside.register_forward_pre_hook(lambda *_, on=on: calls[on].append(1))
+        metrics = learners[on].step(data, temperature=1.0)
+        calls[on] = (len(calls[on]), metrics)
+    assert calls[False][0] == 1 and calls[True][0] == 2  # the update's forward, and its recompute
+    for key, value in calls[False][1].items():
+        if isinstance(value, float):
+            assert calls[True][1][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for p, q in zip(learners[False].model.parameters(), learners[True].model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0)

@@ -67,6 +67,8 @@ class Learner:
                 self.base_path, "fp32", self.loaded.device).model
             self.reference = copy.deepcopy(base).eval().requires_grad_(False)
         model = self.loaded.model
+        if config.trainer.activation_checkpointing:  # active in train() mode only: the update, not π_old
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.lora.enabled:
             from .lora import apply_lora
 

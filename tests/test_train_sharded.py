@@ -41,8 +41,9 @@ def _rank(rank: int, world_size: int, port: int, data_path: str, out: str) -> No
         share = len(data) // world_size
         metrics = learner.step(data[rank * share:(rank + 1) * share], temperature=0.8)
         weights = {name: full_value(p.detach()).clone() for name, p in learner.model.named_parameters()}
+        published = learner.weights()  # collective: every rank gathers the whole checkpoint
         if rank == 0:
-            Path(out).write_bytes(pickle.dumps({"metrics": metrics, "weights": weights}))
+            Path(out).write_bytes(pickle.dumps({"metrics": metrics, "weights": weights, "published": published}))
         dist.barrier()  # no rank tears down gloo while its peer still reads
     except BaseException:
         dist.destroy_process_group()
@@ -84,3 +85,9 @@ def test_two_ranks_take_the_single_process_update(tmp_path):
         assert float((got - want).abs().le(1e-6).double().mean()) > 0.99, name
         moved += int((want != before[name]).sum())
     assert moved > 0.5 * sum(p.numel() for p in before.values())  # the step did update the weights
+    # What a checkpoint would publish: the same names, the whole tensors, the same values.
+    published = single.weights()
+    assert sharded["published"].keys() == published.keys()
+    for name, tensor in published.items():
+        assert sharded["published"][name].shape == tensor.shape and not hasattr(sharded["published"][name], "device_mesh")
+        torch.testing.assert_close(sharded["published"][name], tensor, atol=2.1e-3, rtol=0)

@@ -294,7 +294,8 @@ class Learner:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Full-model weights under the base model's names (LoRA adapters merged in)."""
+        """Full-model weights under the base model's names (LoRA adapters merged in); with a mesh,
+        gathered on every rank (all ranks call it)."""
         from .lora import merged_state_dict
 
         # Also without adapters: it writes the checkpoint's own key layout (transformers 5 keeps MoE

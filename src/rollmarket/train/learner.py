@@ -47,7 +47,9 @@ class Learner:
 
     With a mesh every rank constructs it, passes its own rows to ``step`` (the same number on every
     rank) and makes the same calls in the same order; the update is the one a single process would
-    take on all the rows. Scoring (``score``) and checkpoints stay single-process for now."""
+    take on all the rows, and ``weights()`` gathers the whole tensors on every rank. Not yet under a
+    mesh: ``score`` (``engines.fsdp.FSDPTrainerEngine`` scores sharded), ``save`` (the optimizer
+    state is sharded), and metrics over every rank (each rank's are its own rows')."""
 
     def __init__(self, config: TrainConfig, *, resume_from: Path | None = None, mesh=None):
         self.config = config

@@ -7,7 +7,7 @@ policy, AdamW, gradient clipping), three ways:
     naive     the learner's former path: model(ids).logits.float()[:, :-1] / τ, log-softmax and
               gather for the logprobs, −Σ p·log p for the entropies: [batch, tokens, vocab] float32
               tensors exist and autograd keeps one for the backward
-    chunked   Learner's path (train/learner.py ``policy_token_stats``): the body, then
+    chunked   the Learner's path (train/head.py ``policy_token_stats``): the body, then
               train/head.py's ChunkedHead on the response slots, forward and backward by chunks
     fsdp-N    chunked, with the model sharded by FSDP2 over N processes (one per GPU, NCCL; gloo on
               the CPU) as train/sharded.py does for the Learner; each rank takes 1/N of the batch's
@@ -68,7 +68,7 @@ def _stats_fn(method: str, model, chunk: int):
     """(ids, attention, mask_BT) → [B, T] logprobs (with grad) and entropies, the method's way."""
     import torch
 
-    from rollmarket.train.learner import policy_token_stats
+    from rollmarket.train.head import policy_token_stats
     from rollmarket.train.losses import token_logprobs
     from rollmarket.train.sharded import TOKEN_STATS_METHOD
     from rollmarket.train.transforms import token_entropy
@@ -219,8 +219,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rollmarket.train.head import default_chunk
-    from rollmarket.train.learner import policy_token_stats
+    from rollmarket.train.head import default_chunk, policy_token_stats
     from rollmarket.train.sharded import shard_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")

@@ -121,3 +121,15 @@ def head_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_
     if hidden_NH.dtype != weight.dtype:  # autocast or a float32 body before a low-precision head
         hidden_NH = hidden_NH.to(weight.dtype)
     return ChunkedHead.apply(hidden_NH, weight, targets_N.to(hidden_NH.device), float(temperature), int(chunk))
+
+
+def policy_token_stats(model: torch.nn.Module, ids_BS: torch.Tensor, attention_BS: torch.Tensor, at_N: torch.Tensor,
+                       temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob and entropy of the next token at the flat [B·T] slots ``at_N`` of a right-padded
+    batch: the model body once, then ``ChunkedHead`` on those slots' hidden
+    states alone, so no [B, T, vocab] tensor exists in the forward or the backward."""
+    body, head = body_and_head(model)
+    hidden_BSH = body(input_ids=ids_BS, attention_mask=attention_BS, use_cache=False).last_hidden_state
+    B, S, H = hidden_BSH.shape
+    hidden_NH = hidden_BSH[:, :-1].reshape(B * (S - 1), H)[at_N]
+    return head_token_stats(hidden_NH, head, ids_BS[:, 1:].reshape(-1)[at_N], temperature=temperature, chunk=chunk)

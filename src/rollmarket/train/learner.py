@@ -31,7 +31,7 @@ from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
-from .head import body_and_head, default_chunk, head_token_stats
+from .head import default_chunk, policy_token_stats
 from .losses import LossConfig, policy_loss
 from .sharded import TOKEN_STATS_METHOD, full_value, global_loss_scale, is_sharded, shard_policy
 from .planning import decode_fn, make_detector
@@ -368,18 +368,6 @@ class Learner:
         self.steps_done = int(state["steps_done"])
         self.sepa.gate_open = bool(state.get("sepa_gate_open", self.sepa.gate_open))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-
-
-def policy_token_stats(model: torch.nn.Module, ids_BS: torch.Tensor, attention_BS: torch.Tensor, at_N: torch.Tensor,
-                       temperature: float, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprob and entropy of the next token at the flat [B·T] slots ``at_N`` of a right-padded
-    batch: the model body once, then the chunked lm-head (train/head.py) on those slots' hidden
-    states alone, so no [B, T, vocab] tensor exists in the forward or the backward."""
-    body, head = body_and_head(model)
-    hidden_BSH = body(input_ids=ids_BS, attention_mask=attention_BS, use_cache=False).last_hidden_state
-    B, S, H = hidden_BSH.shape
-    hidden_NH = hidden_BSH[:, :-1].reshape(B * (S - 1), H)[at_N]
-    return head_token_stats(hidden_NH, head, ids_BS[:, 1:].reshape(-1)[at_N], temperature=temperature, chunk=chunk)
 
 
 def read_state(checkpoint: Path) -> dict:

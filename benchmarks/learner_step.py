@@ -287,12 +287,14 @@ def _run_child(name: str, method: str, args) -> dict:
 
 def compare(rows: dict[str, dict]) -> None:
     """Ratios, in place: chunked against naive (the step and the head alone, each where both were
-    measured), fsdp-N's step rate against fsdp-1's."""
-    naive, fsdp1 = rows.get("naive", {}), rows.get("fsdp-1", {})
+    measured), fsdp-N's step rate against fsdp-1's and against chunked's (one GPU, no FSDP)."""
+    naive, fsdp1, chunked = rows.get("naive", {}), rows.get("fsdp-1", {}), rows.get("chunked", {})
     for key, row in rows.items():
         if key.startswith("fsdp-"):
             if row is not fsdp1 and "steps_per_s" in row and "steps_per_s" in fsdp1:
                 row["step_rate_vs_fsdp_1"] = row["steps_per_s"] / fsdp1["steps_per_s"]
+            if "steps_per_s" in row and "steps_per_s" in chunked:  # one GPU without FSDP
+                row["step_rate_vs_chunked"] = row["steps_per_s"] / chunked["steps_per_s"]
             continue
         if row is naive:
             continue
@@ -352,7 +354,7 @@ def main() -> None:
     table = Table(title=f"Learner step on {args.device} at {args.precision}, shape {name}")
     for col in ("method", "ranks", "chunk", "batch×seq", "step s", "steps/s", "held GiB", "peak extra GiB",
                 "peak extra vs naive", "peak total vs naive", "speed vs naive", "head GiB",
-                "head peak vs naive", "head speed vs naive", "rate vs fsdp-1"):
+                "head peak vs naive", "head speed vs naive", "rate vs fsdp-1", "rate vs chunked"):
         table.add_column(col, justify="left" if col == "method" else "right")
 
     def x(value, digits=2) -> str:
@@ -372,7 +374,7 @@ def main() -> None:
                       f"{row['batch']}×{row['seq']}" if "batch" in row else "", *step,
                       gib("head_peak_extra_bytes") or row.get("head_error", "")[-40:],
                       x(row.get("head_peak_ratio_vs_naive"), 3), x(row.get("head_speedup_vs_naive")),
-                      x(row.get("step_rate_vs_fsdp_1")))
+                      x(row.get("step_rate_vs_fsdp_1")), x(row.get("step_rate_vs_chunked")))
     console.print(table)
     out = args.out or ROOT / "benchmarks" / "results" / f"learner_step-{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1043,7 +1043,7 @@ def _():
         head = gib(r["head_peak_extra_bytes"]) if "head_peak_extra_bytes" in r else r.get("head_error", "–")[:60]
         rows.append([bold(r["method"], r["method"] == "naive"), str(r.get("world_size", "")),
                      str(r.get("chunk") or "–"), *step, head, ratio("head_peak_ratio_vs_naive", 3),
-                     ratio("step_rate_vs_fsdp_1")])
+                     ratio("step_rate_vs_fsdp_1"), ratio("step_rate_vs_chunked")])
     first = next((r for r in raw["results"] if "batch" in r), None)
     shape = "" if first is None else (
         f"Shape `{first['shape']}`, {first['precision']}, {first['batch']}×{first['seq']} tokens "
@@ -1051,7 +1051,7 @@ def _():
         f"{'on' if first.get('checkpointing') else 'off'}.\n\n")
     return (provenance(LEARNER_STEP, raw["meta"]) + "\n\n" + shape
             + table(["method", "GPUs", "chunk", "step s", "steps/s", "peak extra GiB", "peak vs naive",
-                     "head GiB", "head vs naive", "rate vs fsdp-1"], ["l"] + ["r"] * 9, rows))
+                     "head GiB", "head vs naive", "rate vs fsdp-1", "rate vs chunked"], ["l"] + ["r"] * 10, rows))
 
 
 # ---- issue 14: experiments (a) on tiny-start with its shuffled-reward control, and (c) ---------------

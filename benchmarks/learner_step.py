@@ -189,13 +189,13 @@ def child(name: str, method: str, args) -> dict:
     """naive or chunked, in one process on one device."""
     import torch
 
-    from rollmarket.train.head import default_chunk
+    from rollmarket.train.head import CHUNK
 
     if args.device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     shape, loaded, model = _prepare(name, args.precision, args.device, args.tokens, not args.no_checkpointing)
     ids_BS, attention_BS, mask_BT, advantages_B = _inputs(shape, loaded.info.vocab_size, args.device)
-    chunk = args.chunk or default_chunk(args.device)
+    chunk = args.chunk or CHUNK
     result = dict(shape=name, method=method, device=args.device, precision=args.precision,
                   batch=ids_BS.shape[0], seq=ids_BS.shape[1], tokens=ids_BS.numel(),
                   loss_tokens=int(mask_BT.sum()), vocab=loaded.info.vocab_size, world_size=1,
@@ -219,7 +219,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str)
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rollmarket.train.head import default_chunk, policy_token_stats
+    from rollmarket.train.head import CHUNK, policy_token_stats
     from rollmarket.train.sharded import shard_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
@@ -236,7 +236,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str)
         shard_policy(model, init_device_mesh("cuda" if cuda else "cpu", (world_size,)), policy_token_stats)
         ids_BS, attention_BS, mask_BT, advantages_B = _inputs(shape, loaded.info.vocab_size, device)
         rows = slice(rank * len(ids_BS) // world_size, (rank + 1) * len(ids_BS) // world_size)
-        chunk = args.chunk or default_chunk(device)
+        chunk = args.chunk or CHUNK
         step = _stepper("chunked", model, ids_BS[rows], attention_BS[rows], mask_BT[rows], advantages_B[rows], chunk)
         result = dict(shape=name, method=f"fsdp-{world_size}", device=args.device, precision=args.precision,
                       batch=ids_BS.shape[0], seq=ids_BS.shape[1], tokens=ids_BS.numel(),

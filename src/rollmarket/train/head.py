@@ -17,17 +17,12 @@ from __future__ import annotations
 
 import torch
 
-CPU_CHUNK = 1024
-CUDA_CHUNK = 1024
-"""Positions per lm-head call in training on CUDA. The backward holds two float32 ``[chunk, vocab]``
-buffers (log p, then the logits' gradient in its place; p) and the gradient at model precision:
-1.5 GB at a 152k vocabulary, where the naive step keeps several 10 GB copies at 16k tokens
-(docs/benchmarks.md). The matmuls stay large enough at 1,024 rows to run near the card's peak."""
-
-
-def default_chunk(device: torch.device | str) -> int:
-    """The training chunk for a device: ``CUDA_CHUNK`` on CUDA, ``CPU_CHUNK`` elsewhere."""
-    return CUDA_CHUNK if torch.device(device).type == "cuda" else CPU_CHUNK
+CHUNK = 1024
+"""Positions per lm-head call in training, on the CPU and on CUDA. The backward holds two float32
+``[chunk, vocab]`` buffers (log p, then the logits' gradient in its place; p) and the gradient at
+model precision: 1.5 GB at a 152k vocabulary, where the naive step keeps several 10 GB copies at
+16k tokens (docs/benchmarks.md). The matmuls stay large enough at 1,024 rows to run near an
+H100's peak."""
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -109,13 +104,13 @@ def head_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_
                      temperature: float = 1.0, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per position, log π(target) and the entropy of π at ``temperature`` through ``lm_head`` (a
     bias-free ``nn.Linear``, as every causal LM here has), differentiable, ``chunk`` positions at a
-    time (``default_chunk`` of the device when None)."""
+    time (``CHUNK`` when None)."""
     weight = getattr(lm_head, "weight", None)
     if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None or weight is None:
         raise TypeError(f"the chunked head needs a bias-free nn.Linear lm-head, not {type(lm_head).__name__}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    chunk = chunk or default_chunk(hidden_NH.device)
+    chunk = chunk or CHUNK
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if hidden_NH.dtype != weight.dtype:  # autocast or a float32 body before a low-precision head

@@ -31,7 +31,7 @@ from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
-from .head import default_chunk, policy_token_stats
+from .head import CHUNK, policy_token_stats
 from .losses import LossConfig, policy_loss
 from .sharded import TOKEN_STATS_METHOD, full_value, global_loss_scale, is_sharded, shard_policy
 from .planning import decode_fn, make_detector
@@ -86,7 +86,7 @@ class Learner:
                 if policy is not None:
                     shard_policy(policy, mesh, policy_token_stats)
             self.loaded = replace(self.loaded, device=device)
-        self.chunk = default_chunk(self.loaded.device)
+        self.chunk = CHUNK
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = config.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,9 @@ def _rank(rank: int, world_size: int, port: int, data_path: str, out: str) -> No
         learner = Learner(resolve(None, ARGS), mesh=init_device_mesh("cpu", (world_size,)))
         data = pickle.loads(Path(data_path).read_bytes())
         share = len(data) // world_size
-        metrics = learner.step(data[rank * share:(rank + 1) * share], temperature=0.8)
+        mine = data[rank * share:(rank + 1) * share]
+        metrics = [learner.step(mine, temperature=0.8),  # π_old given, then scored in the step
+                   learner.step([replace(d, old_logprobs_T=None) for d in mine], temperature=0.8)]
         weights = {name: full_value(p.detach()).clone() for name, p in learner.model.named_parameters()}
         published = learner.weights()  # collective: every rank gathers the whole checkpoint
         if rank == 0:
@@ -54,7 +57,8 @@ def _rank(rank: int, world_size: int, port: int, data_path: str, out: str) -> No
 @pytest.mark.slow
 def test_two_ranks_take_the_single_process_update(tmp_path):
     """Ranks hold different token counts (token-mean weights them), the KL reference is sharded
-    too, temperature ≠ 1: the updated weights and the global gradient norm match one process."""
+    too, temperature ≠ 1, a second step scores its own π_old: the updated weights, the global
+    gradient norms and the published weights match one process's."""
     from rollmarket.train.learner import Learner
 
     single = Learner(resolve(None, ARGS))
@@ -73,15 +77,16 @@ def test_two_ranks_take_the_single_process_update(tmp_path):
     torch.multiprocessing.spawn(_rank, nprocs=2, join=True,
                                 args=(2, free_port(), str(tmp_path / "data.pkl"), str(tmp_path / "rank0.pkl")))
     sharded = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
-    expected = single.step(data, temperature=0.8)
+    expected = [single.step(data, temperature=0.8),
+                single.step([replace(d, old_logprobs_T=None) for d in data], temperature=0.8)]
 
-    torch.testing.assert_close(sharded["metrics"]["actor/grad_norm"], expected["actor/grad_norm"],
-                               atol=0, rtol=1e-4)
+    for got, want in zip(sharded["metrics"], expected):
+        torch.testing.assert_close(got["actor/grad_norm"], want["actor/grad_norm"], atol=0, rtol=1e-4)
     moved = 0
     for name, p in single.model.named_parameters():
         got, want = sharded["weights"][name], p.detach()
         # Adam moves a weight by about lr·sign(g): where g is ~0 summation order can flip the sign.
-        torch.testing.assert_close(got, want, atol=2.1e-3, rtol=0)
+        torch.testing.assert_close(got, want, atol=4.1e-3, rtol=0)
         assert float((got - want).abs().le(1e-6).double().mean()) > 0.99, name
         moved += int((want != before[name]).sum())
     assert moved > 0.5 * sum(p.numel() for p in before.values())  # the step did update the weights
@@ -90,4 +95,4 @@ def test_two_ranks_take_the_single_process_update(tmp_path):
     assert sharded["published"].keys() == published.keys()
     for name, tensor in published.items():
         assert sharded["published"][name].shape == tensor.shape and not hasattr(sharded["published"][name], "device_mesh")
-        torch.testing.assert_close(sharded["published"][name], tensor, atol=2.1e-3, rtol=0)
+        torch.testing.assert_close(sharded["published"][name], tensor, atol=4.1e-3, rtol=0)

@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from teacher_forcing import SHAPES, _build, _memory_reader, _meta
@@ -229,7 +230,9 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str)
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # A rank out of memory leaves its peer in a collective: the timeout ends the run instead of hanging.
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=args.timeout_s / 2),
                             **({"device_id": torch.device(device)} if cuda else {}))
     try:
         shape, loaded, model = _prepare(name, args.precision, device, args.tokens, not args.no_checkpointing)
@@ -275,10 +278,14 @@ def fsdp_child(name: str, world_size: int, args) -> dict:
 def _run_child(name: str, method: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", name, method, "--precision", args.precision,
            "--device", args.device, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
-           "--chunk", str(args.chunk)] + (["--no-checkpointing"] if args.no_checkpointing else [])
+           "--chunk", str(args.chunk), "--timeout-s", str(args.timeout_s)] + (
+               ["--no-checkpointing"] if args.no_checkpointing else [])
     # Fewer false out-of-memory errors from fragmentation, on both paths alike.
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **os.environ}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(shape=name, method=method, error=f"no result within {args.timeout_s:.0f} s")
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return dict(shape=name, method=method, error=(proc.stderr or proc.stdout)[-2000:])
@@ -319,6 +326,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2, help="FSDP ranks of the fsdp-N row (0: no FSDP rows).")
     parser.add_argument("--methods", default="naive,chunked", help="Comma-separated single-process methods.")
     parser.add_argument("--no-checkpointing", action="store_true", help="Keep every layer's activations.")
+    parser.add_argument("--timeout-s", type=float, default=240.0,
+                        help="Longest wait for one method's process; its row then says so and the others still run.")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON output. Default: benchmarks/results/learner_step-<device>.json.")
     parser.add_argument("--child", nargs=2, metavar=("SHAPE", "METHOD"), help=argparse.SUPPRESS)

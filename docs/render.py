@@ -1175,6 +1175,41 @@ def _():
     )
 
 
+# ---- issue 18: the learner step (chunked head with its backward, FSDP2) -------------------------
+
+LEARNER_STEP = "benchmarks/results/learner_step-cuda.json"
+
+
+@block("learner-step-cuda")
+def _():
+    if not (ROOT / LEARNER_STEP).is_file():
+        return (f"Not measured yet: `{LEARNER_STEP}` is not committed. Run the command above on a machine with "
+                "two GPUs,\ncommit its JSON and `python docs/render.py` fills this in.")
+    raw = load(LEARNER_STEP)
+    rows = []
+    for r in raw["results"]:
+        def ratio(key: str, digits: int = 2, r=r) -> str:
+            return "–" if r.get(key) is None else times(r[key], digits)
+
+        if "seconds" in r:
+            step = [f"{r['seconds']:.3f}", f"{r['steps_per_s']:.2f}", gib(r["peak_extra_bytes"]),
+                    ratio("peak_extra_ratio_vs_naive", 3)]
+        else:
+            step = [f"error: {(r.get('error') or '?').splitlines()[-1][:80]}", "", "", ""]
+        head = gib(r["head_peak_extra_bytes"]) if "head_peak_extra_bytes" in r else r.get("head_error", "–")[:60]
+        rows.append([bold(r["method"], r["method"] == "naive"), str(r.get("world_size", "")),
+                     str(r.get("chunk") or "–"), *step, head, ratio("head_peak_ratio_vs_naive", 3),
+                     ratio("step_rate_vs_fsdp_1"), ratio("step_rate_vs_chunked")])
+    first = next((r for r in raw["results"] if "batch" in r), None)
+    shape = "" if first is None else (
+        f"Shape `{first['shape']}`, {first['precision']}, {first['batch']}×{first['seq']} tokens "
+        f"({n(first['loss_tokens'])} in the loss), activation checkpointing "
+        f"{'on' if first.get('checkpointing') else 'off'}.\n\n")
+    return (provenance(LEARNER_STEP, raw["meta"]) + "\n\n" + shape
+            + table(["method", "GPUs", "chunk", "step s", "steps/s", "peak extra GiB", "peak vs naive",
+                     "head GiB", "head vs naive", "rate vs fsdp-1", "rate vs chunked"], ["l"] + ["r"] * 10, rows))
+
+
 # ---- issue 14: experiments (a) on tiny-start with its shuffled-reward control, and (c) ---------------
 
 EXP_A2 = "experiments/results/exp-a2"

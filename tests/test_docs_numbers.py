@@ -391,3 +391,31 @@ def test_experiment_r3_gradient_blocks_recompute_the_declared_tests(tmp_path, mo
 def _interval_4(d: list[float]) -> str:
     lo, hi = _ci_raw(d)
     return f"{sum(d) / len(d):+.4f} [{lo:+.4f}, {hi:+.4f}]".replace("-", "−")
+
+
+def test_learner_step_block_says_not_measured_then_renders_the_json(tmp_path, monkeypatch):
+    """Without benchmarks/results/learner_step-cuda.json the block quotes no number; with one, its rows
+    and ratios (written here, not by the benchmark) appear as the JSON gives them."""
+    render = renderer()
+    monkeypatch.setattr(render, "ROOT", tmp_path)
+    assert render.BLOCKS["learner-step-cuda"]().startswith("Not measured yet")
+    common = dict(shape="qwen3-1.7b", precision="bf16", batch=8, seq=2048, loss_tokens=14336, checkpointing=True)
+    results = [dict(method="fsdp-1", error="Traceback ...\nout of memory: CUDA out of memory"),
+               dict(common, method="naive", world_size=1, chunk=None, seconds=2.0, steps_per_s=0.5,
+                    peak_extra_bytes=40 * 2**30),
+               dict(common, method="chunked", world_size=1, chunk=2048, seconds=1.6, steps_per_s=0.625,
+                    peak_extra_bytes=4 * 2**30, peak_extra_ratio_vs_naive=0.1, head_peak_extra_bytes=2**30,
+                    head_peak_ratio_vs_naive=0.04),
+               dict(common, method="fsdp-2", world_size=2, chunk=2048, seconds=0.9, steps_per_s=1.111,
+                    peak_extra_bytes=3 * 2**30, step_rate_vs_fsdp_1=1.85, step_rate_vs_chunked=1.78),
+]
+    path = tmp_path / "benchmarks/results/learner_step-cuda.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"meta": {"machine": "h100-box", "date": "2026-11-27", "gpu": "NVIDIA H100"},
+                                "results": results}))
+    text = render.BLOCKS["learner-step-cuda"]()
+    assert "`benchmarks/results/learner_step-cuda.json`" in text and "NVIDIA H100" in text and "2026-11-27" in text
+    assert "| chunked | 1 | 2048 | 1.600 | 0.62 | 4.00 | 0.100× | 1.00 | 0.040× | – | – |" in text
+    assert "| fsdp-2 | 2 | 2048 | 0.900 | 1.11 | 3.00 | – | – | – | 1.85× | 1.78× |" in text
+    assert "| **naive** | 1 | – | 2.000 | 0.50 | 40.00 | – | – | – | – | – |" in text
+    assert "error: out of memory" in text and "14,336 in the loss" in text

@@ -164,6 +164,10 @@ class TrainerSection(_Section):
         False, description="Router replay (R3): the trainer's MoE layers route each policy token to the experts "
                             "the rollout engine chose (the groups' routed_experts), when scoring π_old and in the "
                             "update; the gate weights still come from the trainer's router. Off: it routes itself.")
+    activation_checkpointing: bool = Field(
+        False, description="Keep only each decoder layer's input in the update's forward and recompute the layer in "
+                           "the backward (transformers' gradient checkpointing): the body's activations drop from "
+                           "every layer's to one layer's, for one more forward of the body.")
 
 
 class OptimSection(_Section):

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,11 @@ from .config import TrainConfig, TrainConfigError
 from . import failpoints
 from .corrections import masked_is, sequence_tis, token_tis
 from .failpoints import Failpoint
-from .losses import LossConfig, policy_loss, token_logprobs
+from .head import CHUNK, policy_token_stats
+from .losses import LossConfig, policy_loss
+from .sharded import TOKEN_STATS_METHOD, full_value, global_loss_scale, is_sharded, shard_policy
 from .planning import decode_fn, make_detector
-from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages, token_entropy
+from .transforms import SepaSchedule, TransformConfig, entropy_metrics, token_advantages
 
 TRAINER_STATE = "trainer"
 """Sub-directory of a checkpoint with what only the trainer needs (optimizer, counters, adapters).
@@ -40,31 +43,50 @@ Workers read only the top level (`*.safetensors`, config, tokenizer), so it stay
 
 
 class Learner:
-    """The policy being trained, on one device (`fully_shard` is the path to several; DESIGN.md)."""
+    """The policy being trained, on one device or sharded by FSDP2 over ``mesh`` (train/sharded.py).
 
-    def __init__(self, config: TrainConfig, *, resume_from: Path | None = None):
+    With a mesh every rank constructs it, passes its own rows to ``step`` (the same number on every
+    rank) and makes the same calls in the same order; the update is the one a single process would
+    take on all the rows, and ``weights()`` gathers the whole tensors on every rank. Not yet under a
+    mesh: ``score`` (``engines.fsdp.FSDPTrainerEngine`` scores sharded), ``save`` (the optimizer
+    state is sharded), and metrics over every rank (each rank's are its own rows')."""
+
+    def __init__(self, config: TrainConfig, *, resume_from: Path | None = None, mesh=None):
         self.config = config
         torch.manual_seed(config.seed)
         torch.set_num_threads(config.model.threads)
         self.base_path = Path(config.model.path)
         # Full fine-tuning resumes from the checkpoint's weights; LoRA from the base plus its adapters.
         start = resume_from if resume_from is not None and not config.lora.enabled else self.base_path
-        self.loaded: LoadedModel = load_model(start, "fp32", config.model.device)
+        # Sharded, each rank loads on the CPU and ``fully_shard`` moves its shard to the mesh's device.
+        self.loaded: LoadedModel = load_model(start, "fp32", "cpu" if mesh is not None else config.model.device)
         if config.trainer.router_replay and not self.loaded.info.is_moe:
             raise TrainConfigError(f"trainer.router_replay needs an MoE model; {config.model.path} is dense",
                                    fix="set trainer.router_replay = false")
         self.reference = None
         if config.algorithm.kl_coef > 0:  # the starting policy, frozen
-            base = self.loaded.model if start == self.base_path else load_model(self.base_path, "fp32",
-                                                                                config.model.device).model
+            base = self.loaded.model if start == self.base_path else load_model(
+                self.base_path, "fp32", self.loaded.device).model
             self.reference = copy.deepcopy(base).eval().requires_grad_(False)
         model = self.loaded.model
+        if config.trainer.activation_checkpointing:  # active in train() mode only: the update, not π_old
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.lora.enabled:
             from .lora import apply_lora
 
             model = apply_lora(model, config.lora)
         self.model = model.eval()
-        self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+        self.engine: TrainerEngine | None = None
+        if mesh is None:
+            self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+        else:
+            device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+                      else torch.device(mesh.device_type))
+            for policy in (self.model, self.reference):
+                if policy is not None:
+                    shard_policy(policy, mesh, policy_token_stats)
+            self.loaded = replace(self.loaded, device=device)
+        self.chunk = CHUNK
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = config.optim
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas)
@@ -88,6 +110,8 @@ class Learner:
               replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         """π_old's logprobs, entropies and routed experts of each (prompt, response) pair, routed
         through ``replayed_experts`` where given (router replay)."""
+        if self.engine is None:
+            raise RuntimeError("a sharded Learner does not score; use engines.fsdp.FSDPTrainerEngine")
         self.model.eval()
         return self.engine.score_batch(pairs, temperature=temperature, replayed_experts=replayed_experts)
 
@@ -119,13 +143,23 @@ class Learner:
             return contextlib.nullcontext()
         return RouterReplay(model, batch.replay_BSLK.flatten(0, 1))
 
-    def _forward(self, batch, temperature: float):
-        with self._replay(self.model, batch):
-            logits_BSV = self.model(input_ids=batch.ids_BS.to(self.loaded.device),
-                                    attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
-        # The policy is the distribution the engine sampled from: logits / temperature.
-        logits_BTV = logits_BSV[:, :-1] / temperature
-        return logits_BTV, token_logprobs(logits_BTV, batch.ids_BS[:, 1:]).cpu()
+    def _token_stats(self, model: torch.nn.Module, batch: Batch, temperature: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] logprobs (differentiable where `model`'s weights are) and detached entropies of
+        `batch`'s tokens under `model` at ``temperature``, the distribution the engine sampled from;
+        through the sharded model's registered method under FSDP.
+
+        Only the slots of ``mask_BT`` are scored, so the other slots hold 0, which every use masks out."""
+        device = self.loaded.device
+        B, T = batch.mask_BT.shape
+        at_N = batch.mask_BT.flatten().nonzero().squeeze(-1)
+        stats = getattr(model, TOKEN_STATS_METHOD) if is_sharded(model) else partial(policy_token_stats, model)
+        with self._replay(model, batch):
+            logprobs_N, entropies_N = stats(batch.ids_BS.to(device), batch.attention_BS.to(device),
+                                            at_N.to(device), temperature, self.chunk)
+        zeros_BT = torch.zeros(B * T)
+        return (zeros_BT.index_put((at_N,), logprobs_N.float().cpu()).view(B, T),
+                zeros_BT.index_put((at_N,), entropies_N.detach().float().cpu()).view(B, T))
 
     def _planning_mask(self, data: list[Datum], shape: torch.Size) -> torch.Tensor | None:
         """[B, T] 1 on response tokens the planning detector marks, in the batch's slot layout; None
@@ -183,13 +217,11 @@ class Learner:
         old_BT = batch.old_BT
         if old_BT is None:  # π_old before any update: every mini-batch's ratio is against the same policy
             with torch.no_grad():
-                old_BT = self._forward(batch, temperature)[1]
+                old_BT = self._token_stats(self.model, batch, temperature)[0]
         ref_BT = None
         if self.reference is not None:
-            with torch.no_grad(), self._replay(self.reference, batch):
-                logits = self.reference(input_ids=batch.ids_BS.to(self.loaded.device),
-                                        attention_mask=batch.attention_BS.to(self.loaded.device)).logits.float()
-                ref_BT = token_logprobs(logits[:, :-1] / temperature, batch.ids_BS[:, 1:]).cpu()
+            with torch.no_grad():
+                ref_BT = self._token_stats(self.reference, batch, temperature)[0]
         delta_BT = (old_BT - batch.behaviour_BT) * mask_BT
         corr = self._correction(delta_BT, mask_BT)
         corrected_BT = batch.corrected_B[:, None].expand_as(mask_BT)
@@ -204,9 +236,7 @@ class Learner:
         for rows in minibatches:
             rows_t = torch.from_numpy(rows)
             sub = _rows(batch, rows_t)
-            logits_BTV, logprobs_BT = self._forward(sub, temperature)
-            entropies_BT[rows_t] = token_entropy(logits_BTV).cpu()
-            del logits_BTV
+            logprobs_BT, entropies_BT[rows_t] = self._token_stats(self.model, sub, temperature)
             adv_BT, _ = token_advantages(
                 sub.advantages_B, entropies_BT[rows_t], sub.mask_BT, transform,
                 planning_mask_BT=None if planning_BT is None else planning_BT[rows_t], sepa_lambda=lam)
@@ -215,18 +245,18 @@ class Learner:
                 logprobs_BT, old_BT[rows_t], adv_BT, sub_loss_mask_BT, loss_config,
                 is_weights_BT=weights_BT[rows_t] if bool(sub.corrected_B.any()) else None,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT[rows_t])
+            tokens_B = sub_loss_mask_BT.sum(dim=1)
+            divides_by = {"token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
+                a.aggregation, float((tokens_B > 0).sum()))
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * global_loss_scale(divides_by, self.loaded.device)).backward()
             failpoints.reach(Failpoint.in_optimizer_step)
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], cfg.optim.grad_clip)
             self.optimizer.step()
-            grad_norms.append(float(grad_norm))
-            tokens_B = sub_loss_mask_BT.sum(dim=1)
+            grad_norms.append(float(full_value(grad_norm)))
             per_token.add(float(tokens_B.sum()), {k: loss_metrics[k] for k in
                                                   ("actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_ref")})
-            divides_by = {"token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
-                a.aggregation, float((tokens_B > 0).sum()))
             per_agg.add(divides_by, {"actor/pg_loss": loss_metrics["actor/pg_loss"], "loss": float(loss.detach())})
         self.model.eval()
         self.steps_done += 1
@@ -266,7 +296,8 @@ class Learner:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Full-model weights under the base model's names (LoRA adapters merged in)."""
+        """Full-model weights under the base model's names (LoRA adapters merged in); with a mesh,
+        gathered on every rank (all ranks call it)."""
         from .lora import merged_state_dict
 
         # Also without adapters: it writes the checkpoint's own key layout (transformers 5 keeps MoE

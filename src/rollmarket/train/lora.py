@@ -24,6 +24,8 @@ import logging
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .sharded import full_value
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -167,6 +169,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     forward is bit-for-bit the same afterwards. Tied weights appear once, under the first name
     (Qwen3: `model.embed_tokens.weight`, no `lm_head.weight`), as the shipped checkpoints do.
     A model without adapters gives its own weights, so full fine-tuning publishes the same way.
+    A model sharded by FSDP2 gives its whole weights on every rank (collective: all ranks call it).
     """
     base = model.get_base_model() if _is_peft(model) else model
     lora_layers = {}
@@ -184,7 +187,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if id(tensor) in seen:  # a tied weight's second name
                 continue
             seen.add(id(tensor))
-            state[key.replace(".base_layer.", ".")] = tensor.detach()
+            state[key.replace(".base_layer.", ".")] = full_value(tensor.detach())
 
         tied = _tied_names(base)
         for name, layer in lora_layers.items():

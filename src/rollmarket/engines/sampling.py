@@ -80,11 +80,11 @@ _M32 = 0xFFFFFFFF
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values below
     2^32; the multipliers stay below 2^31 so no product overflows int64."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _M32
-    return x ^ (x >> 16)
+    x = x ^ (x >> 16)  # the one copy: the rest works in place (each op is a pass over [B, V])
+    x.mul_(0x7FEB352D).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -98,9 +98,9 @@ def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> tor
     device = keys_B.device
     row_B = _mix32((keys_B & _M32) ^ _mix32((keys_B >> 32) ^ _mix32(steps_B & _M32)))
     ids_V = _mix32(torch.arange(vocab, device=device, dtype=torch.int64) ^ 0x5BD1E995)
-    bits_BV = _mix32(row_B[:, None] ^ ids_V[None, :]) >> 9
-    uniform_BV = (bits_BV.float() + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(uniform_BV))
+    bits_BV = _mix32(row_B[:, None] ^ ids_V[None, :]).bitwise_right_shift_(9)
+    uniform_BV = bits_BV.float().add_(0.5).mul_(1.0 / (1 << 23))
+    return uniform_BV.log_().neg_().log_().neg_()
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,9 @@ class RowBatch:
     """Report the processed distribution's logprobs (else the raw ones)."""
     any_top_p: bool
     all_greedy: bool
+    any_greedy: bool
+    all_processed: bool
+    none_processed: bool
     max_top: int
 
     @classmethod
@@ -133,6 +136,7 @@ class RowBatch:
                     device: torch.device | str) -> "RowBatch":
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         greedy = [p.temperature == 0 for p in params]
+        processed = [p.logprobs_mode == "processed" and not g for p, g in zip(params, greedy)]
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -143,10 +147,10 @@ class RowBatch:
                                  torch.float32),
             top_k_B=tensor(top_k, torch.int64), top_p_B=tensor([p.top_p for p in params], torch.float32),
             greedy_B=tensor(greedy, torch.bool),
-            processed_B=tensor([p.logprobs_mode == "processed" and not g for p, g in zip(params, greedy)],
-                               torch.bool),
+            processed_B=tensor(processed, torch.bool),
             k_max=max((k for k in top_k if k < vocab), default=0), any_top_p=any(p.top_p < 1 for p in params),
-            all_greedy=all(greedy), max_top=max((p.top_logprobs for p in params), default=0))
+            all_greedy=all(greedy), any_greedy=any(greedy), all_processed=all(processed),
+            none_processed=not any(processed), max_top=max((p.top_logprobs for p in params), default=0))
 
     def processed(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """``processed_logits`` for every row at once (masked entries -inf)."""
@@ -169,16 +173,21 @@ class RowBatch:
     def draw(self, logits_BV: torch.Tensor, steps: Sequence[int]) -> "Drawn":
         """Sample one token per row from float32 logits [B, V]; ``steps[b]`` is how many tokens
         row b has drawn before (its position in its own random stream)."""
-        raw_BV = torch.log_softmax(logits_BV, dim=-1)
-        argmax_B = torch.argmax(logits_BV, dim=-1)
         if self.all_greedy:
-            token_B, report_BV = argmax_B, raw_BV
+            token_B, report_BV = torch.argmax(logits_BV, dim=-1), torch.log_softmax(logits_BV, dim=-1)
         else:
             processed_BV = torch.log_softmax(self.processed(logits_BV), dim=-1)
             steps_B = torch.tensor(list(steps), dtype=torch.int64).to(logits_BV.device, non_blocking=True)
-            noisy_BV = processed_BV + gumbel_noise(self.keys_B, steps_B, logits_BV.shape[-1])
-            token_B = torch.where(self.greedy_B, argmax_B, torch.argmax(noisy_BV, dim=-1))
-            report_BV = torch.where(self.processed_B[:, None], processed_BV, raw_BV)
+            token_B = torch.argmax(processed_BV + gumbel_noise(self.keys_B, steps_B, logits_BV.shape[-1]), dim=-1)
+            if self.any_greedy:
+                token_B = torch.where(self.greedy_B, torch.argmax(logits_BV, dim=-1), token_B)
+            # Each [B, V] pass costs at a 152k vocabulary: the raw distribution only where a row reports it.
+            if self.all_processed:
+                report_BV = processed_BV
+            else:
+                raw_BV = torch.log_softmax(logits_BV, dim=-1)
+                report_BV = raw_BV if self.none_processed else torch.where(
+                    self.processed_B[:, None], processed_BV, raw_BV)
         columns = [token_B[:, None].double(), report_BV.gather(1, token_B[:, None]).double()]
         if self.max_top:
             top_values_BK, top_ids_BK = torch.topk(report_BV, min(self.max_top, report_BV.shape[-1]), dim=-1)

@@ -167,14 +167,14 @@ def per_row_draw():
 
     def draw(rows, logits_BV, steps) -> Drawn:
         logits_BV = logits_BV.cpu()
+        keys = rows.keys_B.tolist()
         packed = []
         for b, p in enumerate(rows.params):
             raw_V = torch.log_softmax(logits_BV[b], dim=-1)
             if p.temperature == 0:
                 token, report_V = int(torch.argmax(logits_BV[b])), raw_V
             else:
-                key = int(rows.keys_B[b])
-                gen = generators.get(key) or generators.setdefault(key, torch.Generator().manual_seed(key))
+                gen = generators.get(keys[b]) or generators.setdefault(keys[b], torch.Generator().manual_seed(keys[b]))
                 processed_V = torch.log_softmax(processed_logits(logits_BV[b], p), dim=-1)
                 token = int(torch.multinomial(processed_V.exp(), 1, generator=gen))
                 report_V = processed_V if p.logprobs_mode == "processed" else raw_V

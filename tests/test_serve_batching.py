@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from rollmarket.engines import RolloutEngine, SamplingParams
 from rollmarket.serve.batcher import DONE, Batcher
@@ -43,6 +44,16 @@ def _same(row_tokens, row_logprobs, row_experts, ref) -> None:
 def test_rows_join_mid_generation_and_leave_when_done(engine):
     """A runs alone for 5 steps; B (shorter prompt) and C (a prompt longer than A's whole cache,
     so the running cache is left-padded) join; B finishes while A and C still run and leaves."""
+    _join_and_leave(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: runs where a GPU exists")
+def test_rows_join_and_leave_on_cuda():
+    """The same cache surgery and batched sampling on the GPU, against the GPU decoding alone."""
+    _join_and_leave(RolloutEngine.from_path(ROOT / "models" / "tiny-moe", "fp32", "cuda"))
+
+
+def _join_and_leave(engine: RolloutEngine) -> None:
     greedy = dict(temperature=0, ignore_eos=True)
     a_prompt = _prompt(engine, "Tell me about the sea.")
     b_prompt = _prompt(engine, "hi")

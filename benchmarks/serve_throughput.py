@@ -3,18 +3,27 @@
 For each model a real `rollmarket serve-model` process is started on loopback and sent bursts of
 concurrent chat requests through the official `openai` client (AsyncOpenAI): every request has
 the same prompt, its own seed, ``ignore_eos`` and the same ``max_tokens``, so all sequences are
-equally long and tokens/s = completion tokens / wall time of the burst. The server's batcher
-should run a burst of 32 as one engine batch; the "engine batches" column says how many it took.
+equally long and tokens/s = completion tokens / wall time of the burst. The server batches
+continuously (requests join the running batch between decode steps); the "prefills" column says
+how many prefills a burst took (1: it was admitted as one).
 
 The same bursts then run on the engine directly (``RolloutEngine.generate``, no HTTP, no
-batcher), with the server stopped, to show what the HTTP layer costs.
+batcher), with the server stopped, to show what the HTTP layer costs: once with the batched
+sampler (``engine``) and once with the per-row CPU sampler it replaced (``engine-per-row``,
+the sampler of main before issue 18: logits to the CPU, then log_softmax, top-k/top-p and
+``torch.multinomial`` one row at a time). A decode step is then split into the model forward
+and the sampling (device-synchronised timers around each, ``--split-steps`` steps) for both.
+
+Models are shipped model directories (``--model``) and random-weight Qwen3 shapes from
+benchmarks/teacher_forcing.py (``--shape``; saved with tiny-dense's tokenizer, whose ids are
+the first 1,536 of the 151,936-token vocabulary: generated ids beyond them read as empty text).
 
 On CPU both run with one torch thread by default (``--threads``): on a shared machine torch's
 intra-op thread pool collapses under contention (30x slower at 2 threads on 2 busy cores), which
 would measure the neighbours rather than the server.
 
-    python benchmarks/serve_throughput.py                              # tiny-moe and tiny-dense, CPU
-    python benchmarks/serve_throughput.py --device cuda --model /ckpt/Qwen3-30B-A3B --max-tokens 256
+    python benchmarks/serve_throughput.py                      # tiny-moe and tiny-dense, CPU
+    python benchmarks/serve_throughput.py --device cuda        # + the Qwen3-0.6B shape; ~3 min on an H100
 """
 
 from __future__ import annotations
@@ -39,7 +48,11 @@ from rich.table import Table
 from rollmarket.localhost import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from teacher_forcing import SHAPES  # noqa: E402  (the Qwen3 shapes, one definition)
+
 DEFAULT_MODELS = [REPO / "models" / "tiny-moe", REPO / "models" / "tiny-dense"]
+DEFAULT_SHAPES = {"cpu": "", "cuda": "qwen3-0.6b"}
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and a storm."}]
 console = Console(width=max(Console().width, 150))
 
@@ -107,7 +120,7 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
                              "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
                              "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches})
                 console.print(f"  http   batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s "
-                              f"(engine batches per burst: {engine_batches})")
+                              f"(prefills per burst: {engine_batches})")
             await client.close()
             await stats.aclose()
 
@@ -118,29 +131,155 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
     return rows
 
 
-def bench_engine(model: Path, args) -> list[dict]:
+def materialise(shape: str, args, folder: Path) -> Path:
+    """A random-weight model of a teacher_forcing shape, saved (bf16) as a model directory."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    spec = SHAPES[shape]
+    tokenizer_dir = REPO / "models" / "tiny-dense"
+    ids = json.loads((tokenizer_dir / "config.json").read_text())
+    config = Qwen3Config(**spec["config"], tie_word_embeddings=True, max_position_embeddings=4096,
+                         bos_token_id=ids.get("bos_token_id"), eos_token_id=ids.get("eos_token_id"),
+                         pad_token_id=ids.get("pad_token_id"))
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    out = folder / shape
+    model.save_pretrained(out)
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    return out
+
+
+def per_row_draw():
+    """The sampler this benchmark compares against (main before issue 18), as a drop-in for
+    ``RowBatch.draw``: the step's logits to the CPU, then per row log_softmax, top-k/top-p
+    (``processed_logits``) and ``torch.multinomial`` with the sequence's own generator."""
+    import torch
+
+    from rollmarket.engines.sampling import Drawn, processed_logits
+
+    generators: dict[int, torch.Generator] = {}
+
+    def draw(rows, logits_BV, steps) -> Drawn:
+        logits_BV = logits_BV.cpu()
+        keys = rows.keys_B.tolist()
+        packed = []
+        for b, p in enumerate(rows.params):
+            raw_V = torch.log_softmax(logits_BV[b], dim=-1)
+            if p.temperature == 0:
+                token, report_V = int(torch.argmax(logits_BV[b])), raw_V
+            else:
+                gen = generators.get(keys[b]) or generators.setdefault(keys[b], torch.Generator().manual_seed(keys[b]))
+                processed_V = torch.log_softmax(processed_logits(logits_BV[b], p), dim=-1)
+                token = int(torch.multinomial(processed_V.exp(), 1, generator=gen))
+                report_V = processed_V if p.logprobs_mode == "processed" else raw_V
+            row = [token, float(report_V[token])]
+            if rows.max_top:
+                values, ids = torch.topk(report_V, min(rows.max_top, report_V.shape[-1]))
+                row += ids.tolist() + values.tolist()
+            packed.append(row)
+        return Drawn(packed, rows)
+
+    return draw
+
+
+SAMPLERS = {"engine": None, "engine-per-row": per_row_draw}
+
+
+def _with_sampler(sampler: str):
+    """Context: ``RowBatch.draw`` replaced by the named sampler (None: the batched one)."""
+    from contextlib import contextmanager
+
+    from rollmarket.engines.sampling import RowBatch
+
+    @contextmanager
+    def patched():
+        original = RowBatch.draw
+        if SAMPLERS[sampler] is not None:
+            RowBatch.draw = SAMPLERS[sampler]()
+        try:
+            yield
+        finally:
+            RowBatch.draw = original
+    return patched()
+
+
+def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
+    """Tokens/s of ``generate`` with each sampler, and the decode step split into forward and
+    sampling (synchronised timers around each)."""
+    import torch
+
     from rollmarket.engines import RolloutEngine, SamplingParams
+    from rollmarket.engines.sampling import RowBatch
 
     engine = RolloutEngine.from_path(model, args.precision, args.device)
     prompt = engine.encode_chat(MESSAGES)
-    rows = []
-    for batch in args.batches:
-        params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=s, ignore_eos=True)
-                  for s in range(batch)]
-        warm_up = SamplingParams(max_tokens=min(8, args.max_tokens), ignore_eos=True)
-        engine.generate([prompt] * batch, [warm_up] * batch)
-        rates = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            generations = engine.generate([prompt] * batch, params)
-            wall = time.perf_counter() - started
-            rates.append(sum(g.token_ids_T.size for g in generations) / wall)
-        rows.append({"model": model.name, "path": "engine", "batch": batch, "max_tokens": args.max_tokens,
-                     "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-                     "request_p50_s": None, "engine_batches": [1] * args.repeats})
-        console.print(f"  engine batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
+    rows, splits = [], []
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for sampler in SAMPLERS:
+        with _with_sampler(sampler):
+            for batch in args.batches:
+                params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=s, ignore_eos=True)
+                          for s in range(batch)]
+                engine.generate([prompt] * batch, [SamplingParams(max_tokens=min(8, args.max_tokens),
+                                                                  seed=0, ignore_eos=True)] * batch)
+                rates = []
+                for _ in range(args.repeats if sampler == "engine" else 1):
+                    sync()
+                    started = time.perf_counter()
+                    generations = engine.generate([prompt] * batch, params)
+                    wall = time.perf_counter() - started
+                    rates.append(sum(g.token_ids_T.size for g in generations) / wall)
+                rows.append({"model": name, "path": sampler, "batch": batch, "max_tokens": args.max_tokens,
+                             "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+                             "request_p50_s": None, "engine_batches": [1] * len(rates)})
+                console.print(f"  {sampler:<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
+
+                # The split: the same decode, each forward and each draw timed between syncs.
+                spent = {"forward": 0.0, "sample": 0.0}
+                draw, forward = RowBatch.draw, engine.model.forward
+
+                def timed(kind, fn):
+                    def run(*a, **k):
+                        sync()
+                        t = time.perf_counter()
+                        out = fn(*a, **k)
+                        sync()
+                        spent[kind] += time.perf_counter() - t
+                        return out
+                    return run
+
+                RowBatch.draw = timed("sample", draw)
+                engine.model.forward = timed("forward", forward)
+                try:
+                    steps = min(args.split_steps, args.max_tokens)
+                    session = engine.session()
+                    session.add([prompt] * batch, [SamplingParams(max_tokens=steps, seed=s, ignore_eos=True)
+                                                   for s in range(batch)])
+                    spent["forward"] = 0.0  # the prefill is not a decode step
+                    for _ in range(steps):
+                        session.step()
+                finally:
+                    RowBatch.draw = draw
+                    del engine.model.forward
+                step_ms = 1000 * (spent["forward"] + spent["sample"]) / steps
+                splits.append({"model": name, "sampler": sampler, "batch": batch, "steps": steps,
+                               "forward_ms": 1000 * spent["forward"] / max(steps - 1, 1),
+                               "sample_ms": 1000 * spent["sample"] / steps, "step_ms": step_ms,
+                               "sample_share": spent["sample"] / (spent["forward"] + spent["sample"])})
     del engine
-    return rows
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows, splits
 
 
 def _device_name(device: str) -> str:
@@ -163,11 +302,20 @@ def main() -> None:
     parser.add_argument("--batch-window-ms", type=float, default=5.0, help="The server's batching window.")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads for server and engine; default 1 on cpu, torch's own on cuda.")
+    parser.add_argument("--shape", default=None,
+                        help=f"Comma-separated random-weight shapes from {', '.join(SHAPES)} (teacher_forcing's); "
+                             f"default none on cpu, {DEFAULT_SHAPES['cuda']} on cuda ('' for none).")
+    parser.add_argument("--split-steps", type=int, default=32, help="Decode steps timed for the forward/sampling split.")
     parser.add_argument("--no-engine", action="store_true", help="Skip the in-process engine comparison.")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_throughput.json",
-                        help="Where to write the results as JSON.")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Where to write the results as JSON; default benchmarks/results/serve_throughput.json "
+                             "on cpu, serve_throughput-cuda.json on cuda.")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    args.out = args.out or REPO / "benchmarks" / "results" / (
+        "serve_throughput-cuda.json" if kind == "cuda" else "serve_throughput.json")
+    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x]
     models = [m.resolve() for m in (args.model or DEFAULT_MODELS)]
     if args.threads is None:
         args.threads = 1 if args.device == "cpu" else 0
@@ -177,17 +325,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     results: list[dict] = []
+    splits: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            models.append(materialise(shape, args, Path(tmp)))
         for model in models:
             console.print(f"[bold]{model.name}[/] at {args.precision} on {args.device}")
             results += bench_server(model, args, Path(tmp) / f"{model.name}.log")
             if not args.no_engine:
-                results += bench_engine(model, args)
+                rows, split = bench_engine(model, model.name, args)
+                results += rows
+                splits += split
 
     table = Table(title=f"serve-model decode throughput: {args.max_tokens} tokens per request, "
                         f"{args.precision} on {args.device}")
     for column in ("model", "path", "batch", "tokens/s", f"vs batch {args.batches[0]}", "http / engine",
-                   "request p50 s", "engine batches"):
+                   "request p50 s", "prefills per burst"):
         table.add_column(column, justify="right")
     for row in results:
         base = next(r for r in results if (r["model"], r["path"], r["batch"]) ==
@@ -203,17 +356,29 @@ def main() -> None:
             f"{row['request_p50_s']:.3f}" if row["request_p50_s"] is not None else "-",
             ",".join(map(str, row["engine_batches"])))
     console.print(table)
+    if splits:
+        split_table = Table(title="one decode step: model forward and sampling (ms, synchronised)")
+        for column in ("model", "sampler", "batch", "forward ms", "sampling ms", "sampling share", "step vs per-row"):
+            split_table.add_column(column, justify="right")
+        for row in splits:
+            base = next(r for r in splits if (r["model"], r["batch"], r["sampler"]) ==
+                        (row["model"], row["batch"], "engine-per-row"))
+            row["step_speedup_vs_per_row"] = base["step_ms"] / row["step_ms"]
+            split_table.add_row(row["model"], row["sampler"], str(row["batch"]), f"{row['forward_ms']:.2f}",
+                                f"{row['sample_ms']:.2f}", f"{row['sample_share']:.0%}",
+                                f"{row['step_speedup_vs_per_row']:.2f}x")
+        console.print(split_table)
 
     import torch
 
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
-            "threads": args.threads or None, "batch_window_ms": args.batch_window_ms, "max_tokens": args.max_tokens, "batches": args.batches, "models": [str(m) for m in models],
+            "threads": args.threads or None, "batch_window_ms": args.batch_window_ms, "max_tokens": args.max_tokens, "batches": args.batches, "models": [str(m) for m in models[:len(models) - len(shapes)]], "shapes": shapes,
             "command": " ".join(sys.argv)}
     console.print(meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"meta": meta, "results": results, "split": splits}, indent=2) + "\n")
     console.print(f"wrote {args.out}")
 
 

@@ -274,6 +274,8 @@ def _():
 
 SERVE = "benchmarks/results/serve_throughput.json"
 SERVE_CUDA = "benchmarks/results/serve_throughput-cuda.json"
+SERVE_CUDA_BEFORE = "benchmarks/results/serve_throughput-cuda-before.json"
+SERVE_MODELS = {"tiny-moe": "tiny-moe", "tiny-dense": "tiny-dense", "qwen3-0.6b": "Qwen3-0.6B shape"}
 
 
 def _serve(path: str) -> dict[tuple[str, str, int], dict]:
@@ -299,7 +301,7 @@ def _():
 
 @block("serve-cuda")
 def _():
-    rows, cpu = _serve(SERVE_CUDA), _serve(SERVE)
+    rows, cpu = _serve(SERVE_CUDA_BEFORE), _serve(SERVE)
 
     def pair(model, path):
         one, many = rows[(model, path, 1)]["tokens_per_s"], rows[(model, path, 32)]["tokens_per_s"]
@@ -309,16 +311,48 @@ def _():
     (mh1, mh32), (dh1, dh32) = pair("tiny-moe", "http"), pair("tiny-dense", "http")
     kept = [cpu[(m, "http", b)]["tokens_per_s"] / cpu[(m, "engine", b)]["tokens_per_s"]
             for m in ("tiny-moe", "tiny-dense") for b in (1, 32)]
-    meta = load(SERVE_CUDA)["meta"]
+    meta = load(SERVE_CUDA_BEFORE)["meta"]
     return (
-        f"On one GPU (`benchmarks/serve_throughput.py --device cuda`; {provenance(SERVE_CUDA, meta, inline=True)}) the\ntiny "
+        f"Before continuous batching and the batched sampler, on one GPU (`benchmarks/serve_throughput.py --device cuda`; "
+        f"{provenance(SERVE_CUDA_BEFORE, meta, inline=True)}) the\ntiny "
         f"models are launch-bound: the engine alone reaches {n(me1)} → {n(me32)} tok/s (tiny-moe, {me32 / me1:.0f}×) "
         f"and {n(de1)} → {n(de32)}\n(tiny-dense, {de32 / de1:.0f}×) from batch 1 to 32, but through HTTP only "
         f"{n(mh1)} → {n(mh32)} and {n(dh1)} → {n(dh32)}: bursts split into\ntwo engine batches and the event loop "
-        "and the decode loop contend for the GIL when each step is a few\nmilliseconds. That gap, and continuous "
-        "batching, belong to the GPU performance work; on the CPU, where\nsteps are compute-bound, HTTP gives "
-        f"{span(f'{min(kept):.2f}', f'{max(kept):.2f}')}× the engine's rate (best of 3 each)."
+        "and the decode loop contend for the GIL when each step is a few\nmilliseconds. On the CPU, where "
+        "steps are compute-bound, HTTP gives "
+        f"{span(f'{min(kept):.2f}', f'{max(kept):.2f}')}× the engine's rate (median of 3 each)."
     )
+
+
+@block("serve-cuda-batching")
+def _():
+    if not (ROOT / SERVE_CUDA).is_file():
+        return ("Not measured yet: the continuous-batching server and the batched sampler wait for "
+                "`python benchmarks/serve_throughput.py --device cuda` on the device.")
+    result = load(SERVE_CUDA)
+    rows = _serve(SERVE_CUDA)
+    models = [m for m in SERVE_MODELS if (m, "http", 32) in rows]
+    out = []
+    for model in models:
+        http, engine, per_row = (rows[(model, path, 32)]["tokens_per_s"] for path in ("http", "engine", "engine-per-row"))
+        out.append([SERVE_MODELS[model], n(rows[(model, "http", 1)]["tokens_per_s"]),
+                    n(rows[(model, "engine", 1)]["tokens_per_s"]), n(http), n(engine),
+                    bold(times(http / engine), True), n(per_row), times(engine / per_row)])
+    speed = table(["model", "HTTP b1 tok/s", "engine b1 tok/s", "HTTP b32 tok/s", "engine b32 tok/s",
+                   "HTTP / engine (b32)", "per-row sampler b32 tok/s", "batched / per-row (b32)"],
+                  list("lrrrrrrr"), out)
+    split = {(r["model"], r["sampler"], r["batch"]): r for r in result["split"]}
+    out = []
+    for model in models:
+        for batch in result["meta"]["batches"]:
+            before, after = split[(model, "engine-per-row", batch)], split[(model, "engine", batch)]
+            out.append([SERVE_MODELS[model], str(batch), n(before["forward_ms"], 2), n(before["sample_ms"], 2),
+                        n(after["sample_ms"], 2), f"{pct(before['sample_share'])} → {pct(after['sample_share'])}",
+                        times(before["step_ms"] / after["step_ms"])])
+    steps = table(["model", "batch", "forward ms", "sampling ms, per-row", "sampling ms, batched",
+                   "sampling share of a step", "step speed-up"], list("lrrrrrr"), out)
+    return (f"{provenance(SERVE_CUDA, result['meta'])}\n\n{speed}\n\nOne decode step, forward and sampling "
+            f"timed between device synchronisations ({result['split'][0]['steps']} steps):\n\n{steps}")
 
 
 # ---- teacher forcing ----------------------------------------------------------------------------

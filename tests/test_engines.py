@@ -27,7 +27,7 @@ from rollmarket.engines import (
     parse_precision,
 )
 from rollmarket.engines.precision import FP8_MAX, fp8_quantize_dequantize
-from rollmarket.engines.sampling import draw, processed_logits, sequence_generator
+from rollmarket.engines.sampling import RowBatch, gumbel_noise, processed_logits, sequence_key
 
 PROFILES = [p.value for p in Precision]
 TEXTS = ("What is 17 * 23?", "hello", "Read the file notes/readme.txt and tell me the port.",
@@ -112,14 +112,14 @@ def test_seeded_sampling_reproducible(engines, precision):
 
 def test_seeds_give_independent_streams_per_sequence():
     """A sequence's random stream depends on (seed, index in its request) alone."""
-    cpu = torch.device("cpu")
-
     def stream(seed, index):
-        return torch.rand(8, generator=sequence_generator(seed, index, cpu))
+        keys = torch.tensor([sequence_key(seed, index)] * 4)
+        return gumbel_noise(keys, torch.arange(4), 8)
 
     assert torch.equal(stream(7, 0), stream(7, 0))
     assert not torch.equal(stream(7, 0), stream(8, 0))
     assert not torch.equal(stream(7, 0), stream(7, 1))
+    assert len({tuple(row.tolist()) for row in stream(7, 0)}) == 4  # and differs step to step
 
 
 def test_seeded_sampling_batch_vs_alone_fp32(engines):
@@ -256,13 +256,13 @@ def test_top_p_top_k_never_draw_a_masked_token(temperature, top_k, top_p):
         kept = allowed_tokens(logits_V.numpy(), temperature, top_k, top_p)
         masked_V = processed_logits(logits_V, params)
         assert {int(i) for i in torch.isfinite(masked_V).nonzero().ravel()} == kept
-        generator = sequence_generator(seed=row, index=0, device=torch.device("cpu"))
         z = logits_V.double() / temperature
         log_norm = torch.logsumexp(z[sorted(kept)], 0)
-        for _ in range(50):
-            d = draw(logits_V, params, generator)
-            assert d.token_id in kept
-            assert d.logprob == pytest.approx(float(z[d.token_id] - log_norm), abs=1e-5)
+        rows = RowBatch.from_params([params] * 50, [sequence_key(row, i) for i in range(50)], 64, "cpu")
+        drawn = rows.draw(logits_V.expand(50, -1).contiguous(), [0] * 50)
+        for b in range(50):
+            assert drawn.token_id(b) in kept
+            assert drawn.logprob(b) == pytest.approx(float(z[drawn.token_id(b)] - log_norm), abs=1e-5)
 
 
 def test_engine_top_k_one_is_greedy_and_top_p_keeps_its_support(engines):

@@ -502,20 +502,37 @@ class EchoEngine(RolloutEngine):
         user = text.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
         return [*self.tokenizer.encode(user), self.info.eos_token_ids[0]]
 
-    def stream(self, prompts, params, *, seeds_index=None, _rows_out=None, should_abort=None):
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        eos = set(self.info.eos_token_ids)
-        rows = [SimpleNamespace(params=p, script=self.reply(q), tokens=[], stop_hit=None, finish=None)
-                for q, p in zip(prompts, params)]
-        while any(r.finish is None for r in rows):
-            events = []
-            for b, r in enumerate(rows):
-                if r.finish is None:
-                    r.tokens.append(r.script[len(r.tokens)])
-                    r.finish = self._finish_reason(r, r.tokens[-1], eos)
-                    events.append(StepEvent(b, r.tokens[-1], -0.5, [], None, r.finish))
-            yield events
+    def session(self) -> "EchoSession":
+        return EchoSession(self)
+
+
+class EchoSession:
+    """The decode session's interface (rows join, step, leave) over EchoEngine's scripts."""
+
+    def __init__(self, engine: EchoEngine):
+        self.engine, self.rows, self._count = engine, [], 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, prompts, params, seeds_index=None):
+        new = [SimpleNamespace(index=self._count + i, params=p, script=self.engine.reply(q), tokens=[],
+                               stop_hit=None, finish=None) for i, (q, p) in enumerate(zip(prompts, params))]
+        self._count += len(new)
+        self.rows += new
+        return new
+
+    def remove(self, rows) -> None:
+        self.rows = [r for r in self.rows if all(r is not gone for gone in rows)]
+
+    def step(self) -> list[StepEvent]:
+        eos, events = set(self.engine.info.eos_token_ids), []
+        for r in self.rows:
+            r.tokens.append(r.script[len(r.tokens)])
+            r.finish = self.engine._finish_reason(r, r.tokens[-1], eos)
+            events.append(StepEvent(r.index, r.tokens[-1], -0.5, [], None, r.finish))
+        self.rows = [r for r in self.rows if r.finish is None]
+        return events
 
 
 @pytest.fixture(scope="module")

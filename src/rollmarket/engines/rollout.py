@@ -1,7 +1,11 @@
 """The embedded rollout engine: batched sampling with a KV cache over a transformers model.
 
-One call runs a batch of sequences together: a left-padded prefill, then one decode step per
-token for all unfinished rows, reusing the cache. Each step reports, per sequence, the sampled
+A ``DecodeSession`` is a running batch over one KV cache, left-padded so every row's newest
+token sits in the last column. Sequences join between decode steps (their prompts are
+prefilled together in a cache of their own, then both caches are left-padded to one width and
+concatenated along the batch) and leave as soon as they finish (their rows are dropped, and
+columns no remaining row uses are trimmed from the left). All rows of a step are sampled
+together on the model's device (``sampling.RowBatch``). Each step reports, per sequence, the sampled
 token, its logprob (see ``sampling`` for which distribution), optional top alternatives and,
 for MoE models, the experts of the forward step that produced the token.
 """
@@ -20,7 +24,7 @@ from .loading import LoadedModel, load_model
 from .precision import Precision
 from .routing import RouterCapture
 from .teacher import TrainerEngine
-from .sampling import Draw, SamplingParams, draw, sequence_generator
+from .sampling import RowBatch, SamplingParams, sequence_key
 
 
 @dataclass
@@ -58,9 +62,12 @@ class Generation:
 
 @dataclass
 class _Row:
+    index: int
     prompt: np.ndarray
     params: SamplingParams
-    generator: torch.Generator
+    key: int
+    cached: int = 0
+    """Cache columns that hold this row's tokens (its prompt, then each token fed back)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -105,13 +112,16 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[Generation]:
         started = time.perf_counter()
-        rows: dict[int, list[StepEvent]] = {i: [] for i in range(len(prompts))}
-        holder: list[list[_Row]] = []
-        for events in self.stream(prompts, params, _rows_out=holder):
-            for ev in events:
-                rows[ev.index].append(ev)
+        session = self.session()
+        rows = session.add(prompts, params)
+        while session:
+            session.step()
         wall = time.perf_counter() - started
-        return [self._finish(row, wall) for row in holder[0]]
+        return [self._finish(row, wall) for row in rows]
+
+    def session(self) -> "DecodeSession":
+        """A running batch that sequences can join between decode steps (continuous batching)."""
+        return DecodeSession(self)
 
     def _finish(self, row: _Row, wall: float) -> Generation:
         K = self.info.top_k
@@ -130,88 +140,20 @@ class RolloutEngine:
             wall_s=wall,
         )
 
-    @torch.no_grad()
     def stream(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               *, seeds_index: list[int] | None = None, _rows_out: list | None = None,
+               *, seeds_index: list[int] | None = None,
                should_abort: Callable[[], bool] | None = None) -> Iterator[list[StepEvent]]:
         """Yield, after each decode step, the new token of every sequence still running.
 
         ``seeds_index`` gives each sequence its index within its request (choice i of n), so
         seeded sequences draw the same numbers whatever batch they land in.
         """
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts) or not prompts:
-            raise ValueError("need one SamplingParams per prompt and at least one prompt")
-        seeds_index = seeds_index or list(range(len(prompts)))
-        rows = []
-        for prompt, p, si in zip(prompts, params, seeds_index):
-            arr = np.asarray(prompt, dtype=np.int64)
-            if arr.size == 0:
-                raise ValueError("empty prompt")
-            if arr.size + p.max_tokens > self.info.max_context_tokens:
-                raise ValueError(f"prompt of {arr.size} tokens + max_tokens {p.max_tokens} exceeds "
-                                 f"the context of {self.info.max_context_tokens}")
-            rows.append(_Row(arr, p, sequence_generator(p.seed, si, torch.device("cpu"))))
-        if _rows_out is not None:
-            _rows_out.append(rows)
-        device = self.loaded.device
-        B = len(rows)
-        longest = max(r.prompt.size for r in rows)
-        ids_BS = torch.full((B, longest), self.pad_id, dtype=torch.long)
-        mask_BS = torch.zeros((B, longest), dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids_BS[b, longest - r.prompt.size:] = torch.from_numpy(r.prompt)
-            mask_BS[b, longest - r.prompt.size:] = 1
-        ids_BS, mask_BS = ids_BS.to(device), mask_BS.to(device)
-        position_BS = (mask_BS.cumsum(-1) - 1).clamp(min=0)
-        capture = RouterCapture(self.model, self.info.top_k or 1)
-        from transformers import DynamicCache
-        cache = DynamicCache()
-        eos = set(self.info.eos_token_ids)
-        max_steps = max(r.params.max_tokens for r in rows)
-        with capture:
-            out = self.model(input_ids=ids_BS, attention_mask=mask_BS, position_ids=position_BS,
-                             use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-            experts_BSLK = capture.take(B, longest) if capture.active else None
-            if experts_BSLK is not None:
-                for b, r in enumerate(rows):
-                    start = longest - r.prompt.size
-                    r.prompt_experts = experts_BSLK[b, start:longest - 1].numpy()
-            step_experts_BLK = experts_BSLK[:, -1] if experts_BSLK is not None else None
-            next_pos_B = position_BS[:, -1] + 1
-            for step in range(max_steps):
-                logits_BV = out.logits[:, -1].float().cpu()
-                events: list[StepEvent] = []
-                fed = torch.full((B,), self.pad_id, dtype=torch.long)
-                for b, r in enumerate(rows):
-                    if r.finish is not None:
-                        continue
-                    d: Draw = draw(logits_BV[b], r.params, r.generator)
-                    r.tokens.append(d.token_id)
-                    r.logprobs.append(d.logprob)
-                    if r.params.top_logprobs:
-                        r.top.append(d.top)
-                    experts_LK = None
-                    if step_experts_BLK is not None:
-                        experts_LK = step_experts_BLK[b].numpy()
-                        r.experts.append(experts_LK)
-                    r.finish = self._finish_reason(r, d.token_id, eos)
-                    fed[b] = d.token_id
-                    events.append(StepEvent(b, d.token_id, d.logprob, d.top, experts_LK, r.finish))
-                yield events
-                if all(r.finish is not None for r in rows) or (should_abort and should_abort()):
-                    break
-                mask_BS = torch.cat([mask_BS, torch.ones((B, 1), dtype=torch.long, device=device)], 1)
-                out = self.model(input_ids=fed.to(device)[:, None], attention_mask=mask_BS,
-                                 position_ids=next_pos_B[:, None], use_cache=True,
-                                 **{self._cache_arg: cache})
-                next_pos_B = next_pos_B + 1
-                if capture.active:
-                    step_experts_BLK = capture.take(B, 1)[:, 0]
-        for r in rows:
-            if r.finish is None:
-                r.finish = "length"
+        session = self.session()
+        session.add(prompts, params, seeds_index)
+        while session:
+            yield session.step()
+            if should_abort and should_abort():
+                break
 
     def _finish_reason(self, row: _Row, token: int, eos: set[int]) -> str | None:
         p = row.params
@@ -234,3 +176,170 @@ class RolloutEngine:
             # Eager, as this engine decodes (a trainer engine on CUDA defaults to a compiled body).
             self._fingerprint = TrainerEngine(self.loaded, body="eager").fingerprint()
         return self._fingerprint
+
+
+class DecodeSession:
+    """A running batch: ``add`` sequences at any time, ``step`` decodes one token for each.
+
+    Not thread-safe: one caller (the server's decode thread). A row's results do not depend on
+    when it joined or beside whom it runs, up to the summation order of padded matmuls.
+    """
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self.rows: list[_Row] = []
+        self._count = 0
+        self._cache = None
+        self._mask_BS: torch.Tensor | None = None
+        self._logits_BV: torch.Tensor | None = None
+        self._experts_BLK: torch.Tensor | None = None
+        self._sampler: RowBatch | None = None
+        self._eos = set(engine.info.eos_token_ids)
+        self._capture = RouterCapture(engine.model, engine.info.top_k or 1)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def add(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+            seeds_index: list[int] | None = None) -> list[_Row]:
+        """Prefill new sequences and join them to the batch; their first tokens come with the
+        next ``step``. Returns their rows (``index`` numbers them within this session)."""
+        engine = self.engine
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts) or not prompts:
+            raise ValueError("need one SamplingParams per prompt and at least one prompt")
+        seeds_index = seeds_index or list(range(len(prompts)))
+        new = []
+        for prompt, p, si in zip(prompts, params, seeds_index):
+            arr = np.asarray(prompt, dtype=np.int64)
+            if arr.size == 0:
+                raise ValueError("empty prompt")
+            if arr.size + p.max_tokens > engine.info.max_context_tokens:
+                raise ValueError(f"prompt of {arr.size} tokens + max_tokens {p.max_tokens} exceeds "
+                                 f"the context of {engine.info.max_context_tokens}")
+            new.append(_Row(self._count + len(new), arr, p, sequence_key(p.seed, si), cached=arr.size))
+        device = engine.loaded.device
+        n, longest = len(new), max(r.prompt.size for r in new)
+        ids_BS = torch.full((n, longest), engine.pad_id, dtype=torch.long)
+        mask_BS = torch.zeros((n, longest), dtype=torch.long)
+        for b, r in enumerate(new):
+            ids_BS[b, longest - r.prompt.size:] = torch.from_numpy(r.prompt)
+            mask_BS[b, longest - r.prompt.size:] = 1
+        ids_BS, mask_BS = ids_BS.to(device), mask_BS.to(device)
+        from transformers import DynamicCache
+        cache = DynamicCache()
+        with self._capture:
+            out = engine.model(input_ids=ids_BS, attention_mask=mask_BS,
+                               position_ids=(mask_BS.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                               logits_to_keep=1, **{engine._cache_arg: cache})
+            experts_BSLK = self._capture.take(n, longest) if self._capture.active else None
+        if experts_BSLK is not None:
+            for b, r in enumerate(new):
+                r.prompt_experts = experts_BSLK[b, longest - r.prompt.size:longest - 1].numpy()
+        logits_BV = out.logits[:, -1].float()
+        experts_BLK = experts_BSLK[:, -1] if experts_BSLK is not None else None
+        if self.rows:
+            self._join(cache, mask_BS, logits_BV, experts_BLK)
+        else:
+            self._cache, self._mask_BS, self._logits_BV, self._experts_BLK = cache, mask_BS, logits_BV, experts_BLK
+        self.rows += new
+        self._count += n
+        self._sampler = None
+        return new
+
+    def _join(self, cache, mask_BS: torch.Tensor, logits_BV: torch.Tensor,
+              experts_BLK: torch.Tensor | None) -> None:
+        width = max(self._mask_BS.shape[1], mask_BS.shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if not missing:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim)
+
+        # Padded key/value columns are masked out, so their zeros are never attended to.
+        for mine, theirs in zip(_cache_layers(self._cache), _cache_layers(cache)):
+            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)], 0)
+            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)], 0)
+        self._mask_BS = torch.cat([left_pad(self._mask_BS, 1), left_pad(mask_BS, 1)], 0)
+        self._logits_BV = torch.cat([self._logits_BV, logits_BV], 0)
+        if experts_BLK is not None:
+            self._experts_BLK = torch.cat([self._experts_BLK, experts_BLK], 0)
+
+    def remove(self, rows: list[_Row]) -> None:
+        """Drop running rows (their requests were cancelled) before the next step."""
+        gone = {id(r) for r in rows}
+        self._keep([b for b, r in enumerate(self.rows) if id(r) not in gone])
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[b] for b in keep]
+        self._sampler = None
+        if not keep:
+            self._cache = self._mask_BS = self._logits_BV = self._experts_BLK = None
+            return
+        index = torch.tensor(keep, device=self._logits_BV.device)
+        # Columns left of the longest remaining row hold only padding now: trim them.
+        lead = self._mask_BS.shape[1] - max(r.cached for r in self.rows)
+        for layer in _cache_layers(self._cache):
+            layer.keys = layer.keys[index, :, lead:]
+            layer.values = layer.values[index, :, lead:]
+        self._mask_BS = self._mask_BS[index, lead:]
+        self._logits_BV = self._logits_BV[index]
+        if self._experts_BLK is not None:
+            self._experts_BLK = self._experts_BLK[torch.tensor(keep)]
+
+    @torch.no_grad()
+    def step(self) -> list[StepEvent]:
+        """Sample one token for every row, report it, drop the rows that finished, and run the
+        decode forward for the rest."""
+        engine = self.engine
+        if not self.rows:
+            return []
+        if self._sampler is None:
+            self._sampler = RowBatch.from_params([r.params for r in self.rows], [r.key for r in self.rows],
+                                                 self._logits_BV.shape[-1], self._logits_BV.device)
+        drawn = self._sampler.draw(self._logits_BV, [len(r.tokens) for r in self.rows])
+        events: list[StepEvent] = []
+        keep: list[int] = []
+        for b, r in enumerate(self.rows):
+            token, logprob = drawn.token_id(b), drawn.logprob(b)
+            top = drawn.top(b)
+            r.tokens.append(token)
+            r.logprobs.append(logprob)
+            if r.params.top_logprobs:
+                r.top.append(top)
+            experts_LK = None
+            if self._experts_BLK is not None:
+                experts_LK = self._experts_BLK[b].numpy()
+                r.experts.append(experts_LK)
+            r.finish = engine._finish_reason(r, token, self._eos)
+            events.append(StepEvent(r.index, token, logprob, top, experts_LK, r.finish))
+            if r.finish is None:
+                keep.append(b)
+        self._keep(keep)
+        if self.rows:
+            device = self._logits_BV.device
+            fed_B1 = torch.tensor([[r.tokens[-1]] for r in self.rows]).to(device, non_blocking=True)
+            position_B1 = torch.tensor([[r.cached] for r in self.rows]).to(device, non_blocking=True)
+            self._mask_BS = torch.cat([self._mask_BS, self._mask_BS.new_ones((len(self.rows), 1))], 1)
+            with self._capture:
+                out = engine.model(input_ids=fed_B1, attention_mask=self._mask_BS, position_ids=position_B1,
+                                   use_cache=True, **{engine._cache_arg: self._cache})
+                if self._capture.active:
+                    self._experts_BLK = self._capture.take(len(self.rows), 1)[:, 0]
+            self._logits_BV = out.logits[:, -1].float()
+            for r in self.rows:
+                r.cached += 1
+        return events
+
+
+def _cache_layers(cache) -> list:
+    """The per-layer key/value holders of a transformers ``DynamicCache`` (``.keys``/``.values``,
+    [batch, heads, columns, head_dim]); joining and leaving rewrite them along the batch."""
+    return list(cache.layers)

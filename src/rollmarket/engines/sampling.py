@@ -1,4 +1,4 @@
-"""Sampling parameters and the per-row sampler.
+"""Sampling parameters and the batched sampler.
 
 Which distribution a logprob comes from matters when two engines are compared. By default
 (``logprobs_mode="processed"``) the logprob of a sampled token is taken from the distribution it
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -45,26 +46,20 @@ class SamplingParams:
             raise ValueError("top_k and top_logprobs must be >= 0 and max_tokens >= 1")
 
 
-def sequence_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator:
-    """One generator per sequence, so a sequence's draws do not depend on its batch neighbours."""
+def sequence_key(seed: int | None, index: int) -> int:
+    """The key of one sequence's random numbers: (seed, its index within its request) alone, so
+    a sequence draws the same numbers whatever batch it runs in and whenever it joins one."""
     if seed is None:
-        value = int.from_bytes(os.urandom(8), "little") >> 1
-    else:
-        value = int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
-    gen = torch.Generator(device=device)
-    gen.manual_seed(value)
-    return gen
-
-
-@dataclass
-class Draw:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+        return int.from_bytes(os.urandom(8), "little") >> 2
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 2
 
 
 def processed_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (vLLM's order); masked entries become -inf."""
+    """Temperature, then top-k, then top-p (vLLM's order); masked entries become -inf.
+
+    One row, written for reading: the specification the batched ``RowBatch.processed`` is
+    tested against.
+    """
     logits_V = logits_V / params.temperature
     if params.top_k and params.top_k < logits_V.shape[-1]:
         kth = torch.topk(logits_V, params.top_k).values[-1]
@@ -79,18 +74,150 @@ def processed_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Te
     return logits_V
 
 
-def draw(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> Draw:
-    """Sample one token from float32 logits and report its logprob (and the top alternatives)."""
-    raw_V = torch.log_softmax(logits_V, dim=-1)
-    if params.temperature == 0:
-        token = int(torch.argmax(logits_V))
-        report_V = raw_V
-    else:
-        processed_V = torch.log_softmax(processed_logits(logits_V, params), dim=-1)
-        token = int(torch.multinomial(processed_V.exp(), 1, generator=generator))
-        report_V = processed_V if params.logprobs_mode == "processed" else raw_V
-    top: list[tuple[int, float]] = []
-    if params.top_logprobs:
-        values, ids = torch.topk(report_V, min(params.top_logprobs, report_V.shape[-1]))
-        top = [(int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist())]
-    return Draw(token, float(report_V[token]), top)
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values below
+    2^32; the multipliers stay below 2^31 so no product overflows int64."""
+    x = x ^ (x >> 16)  # the one copy: the rest works in place (each op is a pass over [B, V])
+    x.mul_(0x7FEB352D).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab], float32, a pure function of (key, step, token id).
+
+    Counter-based, so no generator state is carried per sequence: a sequence's noise at its
+    step t is the same in any batch, on any device. argmax(logprobs + noise) is an exact draw
+    from softmax(logprobs) (the Gumbel-max trick), with 23-bit uniforms: (m + 0.5) / 2^23 is
+    exact in float32 and below 1, so neither logarithm meets 0.
+    """
+    device = keys_B.device
+    row_B = _mix32((keys_B & _M32) ^ _mix32((keys_B >> 32) ^ _mix32(steps_B & _M32)))
+    ids_V = _mix32(torch.arange(vocab, device=device, dtype=torch.int64) ^ 0x5BD1E995)
+    bits_BV = _mix32(row_B[:, None] ^ ids_V[None, :]).bitwise_right_shift_(9)
+    uniform_BV = bits_BV.float().add_(0.5).mul_(1.0 / (1 << 23))
+    return uniform_BV.log_().neg_().log_().neg_()
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """The sampling settings of the rows of one batch, as tensors on the logits' device.
+
+    Built once per batch composition (``from_params``); ``draw`` then samples every row of a
+    decode step with a fixed number of kernels, whatever the mix of settings.
+    """
+
+    params: tuple[SamplingParams, ...]
+    keys_B: torch.Tensor
+    temperature_B: torch.Tensor
+    """1 where the row is greedy, so the division is harmless; ``greedy_B`` picks argmax there."""
+    top_k_B: torch.Tensor
+    """The k of each row, vocab where top-k is off."""
+    k_max: int
+    """The largest k of the rows that use top-k (0: none does); decided on the host so the
+    step needs no device sync."""
+    top_p_B: torch.Tensor
+    greedy_B: torch.Tensor
+    processed_B: torch.Tensor
+    """Report the processed distribution's logprobs (else the raw ones)."""
+    any_top_p: bool
+    all_greedy: bool
+    any_greedy: bool
+    all_processed: bool
+    none_processed: bool
+    max_top: int
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], keys: Sequence[int], vocab: int,
+                    device: torch.device | str) -> "RowBatch":
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        greedy = [p.temperature == 0 for p in params]
+        processed = [p.logprobs_mode == "processed" and not g for p, g in zip(params, greedy)]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            params=tuple(params), keys_B=tensor(list(keys), torch.int64),
+            temperature_B=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                 torch.float32),
+            top_k_B=tensor(top_k, torch.int64), top_p_B=tensor([p.top_p for p in params], torch.float32),
+            greedy_B=tensor(greedy, torch.bool),
+            processed_B=tensor(processed, torch.bool),
+            k_max=max((k for k in top_k if k < vocab), default=0), any_top_p=any(p.top_p < 1 for p in params),
+            all_greedy=all(greedy), any_greedy=any(greedy), all_processed=all(processed),
+            none_processed=not any(processed), max_top=max((p.top_logprobs for p in params), default=0))
+
+    def processed(self, logits_BV: torch.Tensor) -> torch.Tensor:
+        """``processed_logits`` for every row at once (masked entries -inf)."""
+        z_BV = logits_BV / self.temperature_B[:, None]
+        if self.k_max:
+            top_BK = torch.topk(z_BV, self.k_max, dim=-1).values
+            kth_B = top_BK.gather(1, (self.top_k_B.clamp(max=self.k_max) - 1)[:, None])
+            # Rows without top-k (k = vocab > k_max) get a threshold that masks nothing.
+            kth_B = kth_B.masked_fill((self.top_k_B > self.k_max)[:, None], float("-inf"))
+            z_BV = z_BV.masked_fill(z_BV < kth_B, float("-inf"))
+        if self.any_top_p:
+            sorted_BV, order_BV = torch.sort(z_BV, dim=-1, descending=True)
+            p_BV = sorted_BV.softmax(-1)
+            # As in processed_logits: drop a token once the mass before it reaches top_p.
+            drop_sorted_BV = ((p_BV.cumsum(-1) - p_BV) >= self.top_p_B[:, None]) & (self.top_p_B < 1)[:, None]
+            drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
+            z_BV = z_BV.masked_fill(drop_BV, float("-inf"))
+        return z_BV
+
+    def draw(self, logits_BV: torch.Tensor, steps: Sequence[int]) -> "Drawn":
+        """Sample one token per row from float32 logits [B, V]; ``steps[b]`` is how many tokens
+        row b has drawn before (its position in its own random stream)."""
+        if self.all_greedy:
+            token_B, report_BV = torch.argmax(logits_BV, dim=-1), torch.log_softmax(logits_BV, dim=-1)
+        else:
+            processed_BV = torch.log_softmax(self.processed(logits_BV), dim=-1)
+            steps_B = torch.tensor(list(steps), dtype=torch.int64).to(logits_BV.device, non_blocking=True)
+            token_B = torch.argmax(processed_BV + gumbel_noise(self.keys_B, steps_B, logits_BV.shape[-1]), dim=-1)
+            if self.any_greedy:
+                token_B = torch.where(self.greedy_B, torch.argmax(logits_BV, dim=-1), token_B)
+            # Each [B, V] pass costs at a 152k vocabulary: the raw distribution only where a row reports it.
+            if self.all_processed:
+                report_BV = processed_BV
+            else:
+                raw_BV = torch.log_softmax(logits_BV, dim=-1)
+                report_BV = raw_BV if self.none_processed else torch.where(
+                    self.processed_B[:, None], processed_BV, raw_BV)
+        columns = [token_B[:, None].double(), report_BV.gather(1, token_B[:, None]).double()]
+        if self.max_top:
+            top_values_BK, top_ids_BK = torch.topk(report_BV, min(self.max_top, report_BV.shape[-1]), dim=-1)
+            columns += [top_ids_BK.double(), top_values_BK.double()]
+        # One transfer for the whole step (token ids are exact in float64).
+        return Drawn(torch.cat(columns, 1).cpu().tolist(), self)
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One decode step's draws, still packed as the rows the device sent back."""
+
+    packed: list[list[float]]
+    rows: RowBatch
+
+    def __len__(self) -> int:
+        return len(self.packed)
+
+    def token_id(self, b: int) -> int:
+        return int(self.packed[b][0])
+
+    def logprob(self, b: int) -> float:
+        return self.packed[b][1]
+
+    def top(self, b: int) -> list[tuple[int, float]]:
+        """The row's own ``top_logprobs`` best (token id, logprob) pairs; [] when it asked none."""
+        n = self.rows.params[b].top_logprobs
+        if not n:
+            return []
+        row = self.packed[b]
+        k = (len(row) - 2) // 2
+        n = min(n, k)
+        return [(int(i), v) for i, v in zip(row[2:2 + n], row[2 + k:2 + k + n])]

@@ -327,7 +327,7 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
                                 prompt_len=len(prompt), top_logprobs=top_n)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         choices = server.new_choices(req.n, 0, params.stop, parse_tools)
-        pending = server.batcher.submit(prompt, params, req.n)
+        pending = server.batcher.submit(prompt, params, req.n, stream=bool(req.stream))
         rid = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
         moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
@@ -373,7 +373,7 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         for k, prompt in enumerate(prompts):
             params = server._params(req, max_tokens=req.max_tokens, prompt_len=len(prompt), top_logprobs=top_n)
             choices = server.new_choices(req.n, k * req.n, params.stop, False)
-            runs.append((prompt, choices, server.batcher.submit(prompt, params, req.n)))
+            runs.append((prompt, choices, server.batcher.submit(prompt, params, req.n, stream=bool(req.stream))))
         rid = "cmpl-" + secrets.token_hex(12)
         created = int(time.time())
         moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts

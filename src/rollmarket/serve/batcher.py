@@ -1,10 +1,13 @@
-"""Concurrent requests share decode steps: one engine thread, batches formed from a queue.
+"""Continuous batching: one decode thread runs a ``DecodeSession`` that requests join and leave.
 
-Requests that arrive within ``window_s`` of each other (up to ``max_seqs`` sequences, counting
-each of a request's ``n`` choices) run as one batch: one prefill and one decode step per token
-for all of them. Events go back to each request's asyncio queue as they are produced, so
-streaming clients see tokens as they are sampled. A request that arrives while a batch runs
-waits for the next one (static batching; continuous batching is a later GPU issue).
+Between two decode steps the thread admits every waiting request that fits (up to ``max_seqs``
+sequences, counting each of a request's ``n`` choices; their prompts are prefilled together
+and join the running batch), and a sequence leaves the batch the step it finishes. When the
+engine is idle the first request waits ``window_s`` for company, so a burst is prefilled as one.
+
+Results cross to the event loop in batches, to keep the decode loop and the event loop from
+contending for the GIL on every token: one ``call_soon_threadsafe`` per step for all streaming
+requests, and a non-streaming request gets its whole generation in one hand-over when it ends.
 """
 
 from __future__ import annotations
@@ -30,11 +33,23 @@ class Pending:
     n: int
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    stream: bool = True
+    """Hand each step over as it comes; otherwise everything at once when the request ends."""
     cancelled: bool = False
     enqueued_at: float = field(default_factory=time.perf_counter)
+    running: int = 0
+    """Choices still decoding (set when the request joins the batch)."""
+    held: list = field(default_factory=list)
+    """Decode-thread side: items not yet handed to the event loop."""
 
     def put(self, item) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
+    for events, batch in items:
+        for item in batch:
+            events.put_nowait(item)
 
 
 class Batcher:
@@ -45,9 +60,12 @@ class Batcher:
         self._queue: queue.Queue[Pending | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="rollmarket-batcher", daemon=True)
         self._carry: Pending | None = None
+        self._stopping = False
         self.batches = 0
+        """Prefills run: each admits every request that was waiting and fitted."""
         self.sequences = 0
         self.largest_batch = 0
+        """Most sequences decoded in one step."""
 
     def start(self) -> None:
         self._thread.start()
@@ -56,68 +74,118 @@ class Batcher:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int) -> Pending:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int, *, stream: bool = True) -> Pending:
         loop = asyncio.get_running_loop()
-        pending = Pending(prompt_ids, params, n, loop, asyncio.Queue())
+        pending = Pending(prompt_ids, params, n, loop, asyncio.Queue(), stream=stream)
         self._queue.put(pending)
         return pending
 
-    def _collect(self) -> list[Pending] | None:
-        first = self._carry or self._queue.get()
-        self._carry = None
-        if first is None:
-            return None
-        batch, seqs = [first], first.n
-        deadline = time.perf_counter() + self.window_s
-        while seqs < self.max_seqs:
-            remaining = deadline - time.perf_counter()
-            try:
-                item = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
+    def _admissible(self, running: int) -> list[Pending]:
+        """The waiting requests that fit beside ``running`` sequences; blocks only when idle."""
+        batch: list[Pending] = []
+        seqs = running
+        deadline = None
+        while not self._stopping:
+            item = self._carry
+            self._carry = None
             if item is None:
-                self._queue.put(None)
+                try:
+                    if running == 0 and not batch:
+                        item = self._queue.get()
+                        deadline = time.perf_counter() + self.window_s
+                    elif deadline is not None and (remaining := deadline - time.perf_counter()) > 0:
+                        item = self._queue.get(timeout=remaining)
+                    else:
+                        item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if item is None:
+                self._stopping = True
                 break
-            if seqs + item.n > self.max_seqs:
+            if item.cancelled:
+                continue
+            # A request larger than max_seqs still runs, alone.
+            if seqs + item.n > self.max_seqs and seqs > 0:
                 self._carry = item
                 break
             batch.append(item)
             seqs += item.n
+            if seqs >= self.max_seqs:
+                break
         return batch
 
     def _run(self) -> None:
+        session = self.engine.session()
+        owners: dict[int, tuple[Pending, int]] = {}
         while True:
-            batch = self._collect()
-            if batch is None:
+            joining = self._admissible(len(session))
+            if self._stopping and not joining and not session:
                 return
-            batch = [p for p in batch if not p.cancelled]
-            if not batch:
-                continue
-            prompts, params, seeds_index, owners = [], [], [], []
-            for pending in batch:
-                for choice in range(pending.n):
-                    prompts.append(pending.prompt_ids)
-                    params.append(pending.params)
-                    seeds_index.append(choice)
-                    owners.append((pending, choice))
-            self.batches += 1
-            self.sequences += len(prompts)
-            self.largest_batch = max(self.largest_batch, len(prompts))
             try:
-                stream = self.engine.stream(prompts, params, seeds_index=seeds_index,
-                                            should_abort=lambda: all(p.cancelled for p in batch))
-                for events in stream:
-                    by_owner: dict[int, list[tuple[int, StepEvent]]] = {}
-                    for ev in events:
-                        pending, choice = owners[ev.index]
-                        by_owner.setdefault(id(pending), []).append((choice, ev))
-                    for pending in batch:
-                        items = by_owner.get(id(pending))
-                        if items and not pending.cancelled:
-                            pending.put(items)
+                if joining:
+                    self._admit(session, joining, owners)
+                if not session:
+                    continue
+                self._step(session, owners)
             except Exception as exc:  # one bad batch must not take the server down
-                log.exception("batch failed")
-                for pending in batch:
+                log.exception("decode step failed")
+                for pending in {id(p): p for p, _ in owners.values()}.values():
                     pending.put(exc)
-            for pending in batch:
-                pending.put(DONE)
+                    pending.put(DONE)
+                for pending in joining:
+                    if pending.running == 0:
+                        pending.put(exc)
+                        pending.put(DONE)
+                owners.clear()
+                session = self.engine.session()
+
+    def _admit(self, session, joining: list[Pending], owners: dict[int, tuple[Pending, int]]) -> None:
+        prompts, params, seeds_index, who = [], [], [], []
+        for pending in joining:
+            for choice in range(pending.n):
+                prompts.append(pending.prompt_ids)
+                params.append(pending.params)
+                seeds_index.append(choice)
+                who.append((pending, choice))
+        rows = session.add(prompts, params, seeds_index)
+        for row, owner in zip(rows, who):
+            owners[row.index] = owner
+        for pending in joining:
+            pending.running = pending.n
+        self.batches += 1
+        self.sequences += len(prompts)
+
+    def _step(self, session, owners: dict[int, tuple[Pending, int]]) -> None:
+        cancelled = [r for r in session.rows if owners[r.index][0].cancelled]
+        if cancelled:
+            session.remove(cancelled)
+            for r in cancelled:
+                owners.pop(r.index)
+            if not session:
+                return
+        self.largest_batch = max(self.largest_batch, len(session))
+        touched: dict[int, Pending] = {}
+        ev: StepEvent
+        for ev in session.step():
+            pending, choice = owners[ev.index]
+            if pending.cancelled:
+                continue
+            if not pending.held:
+                pending.held.append([])
+            pending.held[0].append((choice, ev))
+            touched[id(pending)] = pending
+            if ev.finish_reason is not None:
+                owners.pop(ev.index)
+                pending.running -= 1
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for pending in touched.values():
+            finished = pending.running == 0
+            if not (pending.stream or finished):
+                continue  # keep accumulating until the request ends
+            batch = pending.held
+            pending.held = []
+            if finished:
+                batch.append(DONE)
+            by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
+        for loop, items in by_loop.values():
+            loop.call_soon_threadsafe(_deliver, items)

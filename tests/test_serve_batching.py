@@ -1,0 +1,141 @@
+"""Continuous batching on the tiny MoE model at fp32: sequences join a running batch between
+decode steps and leave when done, and each one's greedy tokens equal its tokens decoded alone.
+
+References are ``RolloutEngine.generate`` of one prompt at a time (its own batch of one, no
+padding); at fp32 padding changes only matmul summation order, so logprobs agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollmarket.engines import RolloutEngine, SamplingParams
+from rollmarket.serve.batcher import DONE, Batcher
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def engine() -> RolloutEngine:
+    return RolloutEngine.from_path(ROOT / "models" / "tiny-moe", "fp32")
+
+
+def _prompt(engine: RolloutEngine, text: str) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": text}])
+
+
+def _alone(engine: RolloutEngine, prompt: list[int], params: SamplingParams):
+    return engine.generate([prompt], params)[0]
+
+
+def _same(row_tokens, row_logprobs, row_experts, ref) -> None:
+    np.testing.assert_array_equal(np.asarray(row_tokens), ref.token_ids_T)
+    np.testing.assert_allclose(np.asarray(row_logprobs, np.float32), ref.logprobs_T, atol=1e-5)
+    experts = np.stack(row_experts)
+    agree = (np.sort(experts, -1) == np.sort(ref.routed_experts_TLK, -1)).all(-1).mean()
+    assert agree >= 0.99, agree
+
+
+def test_rows_join_mid_generation_and_leave_when_done(engine):
+    """A runs alone for 5 steps; B (shorter prompt) and C (a prompt longer than A's whole cache,
+    so the running cache is left-padded) join; B finishes while A and C still run and leaves."""
+    _join_and_leave(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: runs where a GPU exists")
+def test_rows_join_and_leave_on_cuda():
+    """The same cache surgery and batched sampling on the GPU, against the GPU decoding alone."""
+    _join_and_leave(RolloutEngine.from_path(ROOT / "models" / "tiny-moe", "fp32", "cuda"))
+
+
+def _join_and_leave(engine: RolloutEngine) -> None:
+    greedy = dict(temperature=0, ignore_eos=True)
+    a_prompt = _prompt(engine, "Tell me about the sea.")
+    b_prompt = _prompt(engine, "hi")
+    c_prompt = _prompt(engine, "Read the file notes/readme.txt and tell me the port, then search the "
+                               "web for who founded the town of Velmora and summarise it.")
+    params = {"a": SamplingParams(max_tokens=20, **greedy), "b": SamplingParams(max_tokens=4, **greedy),
+              "c": SamplingParams(max_tokens=12, top_logprobs=3, **greedy)}
+    session = engine.session()
+    (a,) = session.add([a_prompt], params["a"])
+    for _ in range(5):
+        session.step()
+    assert len(c_prompt) > len(a_prompt) + 5
+    b, c = session.add([b_prompt, c_prompt], [params["b"], params["c"]])
+    widths = []
+    while session:
+        session.step()
+        widths.append(len(session))
+        if b.finish is not None and len(widths) == 4:
+            assert a.finish is None and c.finish is None  # B left first, the others go on
+    assert widths[3] == 2 and widths[-1] == 0
+    for row, prompt, key in ((a, a_prompt, "a"), (b, b_prompt, "b"), (c, c_prompt, "c")):
+        ref = _alone(engine, prompt, params[key])
+        _same(row.tokens, row.logprobs, row.experts, ref)
+        assert row.finish == "length"
+    ref_c = _alone(engine, c_prompt, params["c"])
+    assert [[i for i, _ in top] for top in c.top] == [[i for i, _ in top] for top in ref_c.top_logprobs]
+
+
+def test_seeded_sampling_does_not_depend_on_when_a_sequence_joins(engine):
+    """Seeded (temperature 1) draws key on the sequence's own step: joining late, beside
+    another sequence, gives the tokens it draws alone."""
+    p = _prompt(engine, "Write a poem.")
+    params = SamplingParams(max_tokens=10, seed=5, ignore_eos=True)
+    session = engine.session()
+    session.add([_prompt(engine, "Count to ten.")], SamplingParams(max_tokens=16, seed=1, ignore_eos=True))
+    for _ in range(3):
+        session.step()
+    (late,) = session.add([p], params)
+    while session:
+        session.step()
+    _same(late.tokens, late.logprobs, late.experts, _alone(engine, p, params))
+
+
+def test_batcher_admits_a_request_while_another_is_decoding(engine):
+    """Through the server's batcher: request 2 arrives after request 1 has produced tokens,
+    joins its batch (one step decodes both), and finishes first; a cancelled request 3 leaves
+    the batch without disturbing the others. Results equal the sequences decoded alone."""
+    long_p, short_p = _prompt(engine, "Tell me a long story."), _prompt(engine, "hello")
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short_params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    batcher = Batcher(engine, max_seqs=8, window_s=0)
+    batcher.start()
+
+    async def run():
+        first = batcher.submit(long_p, long_params, 1)
+        order, got = [], {"first": [], "second": []}
+        steps = await first.events.get()
+        got["first"] += [ev for _, ev in steps]
+        second = batcher.submit(short_p, short_params, 1, stream=False)
+        doomed = batcher.submit(short_p, long_params, 1)
+        await doomed.events.get()
+        doomed.cancelled = True
+
+        async def drain(name, pending):
+            while (item := await pending.events.get()) is not DONE:
+                assert not isinstance(item, Exception), item
+                got[name] += [ev for _, ev in item]
+            order.append(name)
+
+        await asyncio.gather(drain("first", first), drain("second", second))
+        return order, got, doomed
+
+    try:
+        order, got, doomed = asyncio.run(run())
+    finally:
+        batcher.stop()
+    assert order == ["second", "first"]
+    # 1 joins alone; 2 and 3 arrive together (one prefill) unless the decode thread ran between them.
+    assert batcher.batches in (2, 3) and batcher.largest_batch == 3
+    for name, prompt, params in (("first", long_p, long_params), ("second", short_p, short_params)):
+        events = got[name]
+        _same([e.token_id for e in events], [e.logprob for e in events], [e.experts_LK for e in events],
+              _alone(engine, prompt, params))
+        assert events[-1].finish_reason == "length"
+    assert doomed.events.qsize() < long_params.max_tokens  # it stopped being decoded

@@ -5,7 +5,7 @@
 # device returns at most 8 files), holds what they produced.
 #
 #   bash benchmarks/gpu_run.sh                      # tests + every benchmark below
-#   bash benchmarks/gpu_run.sh tests teacher_forcing # only those steps, in that order
+#   bash benchmarks/gpu_run.sh tests teacher_forcing-bodies # only those steps, in that order
 #   BUDGET_S=570 (default): seconds the whole call may take, packing included; a step gets at most
 #   what is left of it less PACK_S (20 s), so out.tgz is written even when a step runs long.
 #
@@ -36,8 +36,8 @@ PY=${PY:-python3}
 # name | seconds at most | command (--out is added: the step's raw JSON goes to $RESULTS/<name>-cuda.json)
 BENCHMARKS=(
   "fused_kernel|60|benchmarks/fused_kernel.py --device cuda"
-  "teacher_forcing|180|benchmarks/teacher_forcing.py --device cuda"
-  "learner_step|180|benchmarks/learner_step.py --device cuda"
+  "teacher_forcing-bodies|330|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b,qwen3-4b"
+  "learner_step|240|benchmarks/learner_step.py --device cuda --world-size 2"
   "serve_throughput|150|benchmarks/serve_throughput.py --device cuda"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other
@@ -103,7 +103,8 @@ run_tests() {
     return
   fi
   # --noconftest: the suite's conftest needs the server packages; this file needs none of it.
-  step tests "$TESTS_S" "$PY" -m pytest tests/test_gpu_kernels.py --noconftest -p no:cacheprovider \
+  step tests "$TESTS_S" "$PY" -m pytest tests/test_gpu_kernels.py tests/test_gpu_learner_head.py \
+    tests/test_sampling.py tests/test_serve_batching.py --noconftest -p no:cacheprovider \
     -o addopts="" -rs --durations=10 --junitxml="$LOGS/gpu_tests.xml"
   step tests-summary 60 "$PY" benchmarks/gpu_test_summary.py "$LOGS/gpu_tests.xml" \
     --out "$RESULTS/gpu_tests-cuda.json"

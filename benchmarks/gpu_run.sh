@@ -36,9 +36,9 @@ PY=${PY:-python3}
 # name | seconds at most | command (--out is added: the step's raw JSON goes to $RESULTS/<name>-cuda.json)
 BENCHMARKS=(
   "fused_kernel|60|benchmarks/fused_kernel.py --device cuda"
-  "teacher_forcing-bodies|330|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b,qwen3-4b"
+  "teacher_forcing-bodies|490|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b,qwen3-4b --methods engine-eager,engine-liger,engine-compiled,naive,numerics"
   "learner_step|240|benchmarks/learner_step.py --device cuda --world-size 2"
-  "serve_throughput|150|benchmarks/serve_throughput.py --device cuda"
+  "serve_throughput|290|benchmarks/serve_throughput.py --device cuda --repeats 2"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other
 # three about 3 min each by their authors' estimates): the budget cuts the last steps short and the

@@ -1,4 +1,4 @@
-"""The HTTP face of the embedded engine: /v1/models, /v1/chat/completions, /v1/completions.
+"""The HTTP face of the embedded engine: /v1/models, /v1/chat/completions, /v1/completions, /v1/responses.
 
 Responses follow OpenAI's shapes; the RL extensions follow vLLM: ``prompt_token_ids`` on the
 response and ``token_ids`` on each choice when ``return_token_ids`` is set, and
@@ -41,8 +41,10 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    ResponsesRequest,
     TokenizeRequest,
 )
+from .responses import LOGPROBS_INCLUDE, chat_messages, chat_tools, output_items, response_body
 from .settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> OpenAIEr
                        param=param)
 
 
-_BODY_MODELS = [ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+_BODY_MODELS = [ChatRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
 _ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {
     "$ref": "#/components/schemas/OpenAIErrorBody"}}}} for status, text in (
     (400, "Bad JSON or values (OpenAI's error shape)"), (404, "Unknown model or route"),
@@ -116,12 +118,15 @@ class ModelServer:
             raise OpenAIError(str(exc)) from None
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
-        messages = [_normalise_message(m) for m in req.messages]
-        tools = req.tools if req.tool_choice != "none" else None
+        return self.encode_messages(req.messages, req.tools if req.tool_choice != "none" else None)
+
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None, param: str = "messages") -> list[int]:
+        """The prompt ids of chat messages (and tools) under the model's chat template."""
+        messages = [_normalise_message(m) for m in messages]
         try:
             return self.engine.encode_chat(messages, tools)
         except Exception as exc:  # template errors are the client's input, not a crash
-            raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from None
+            raise OpenAIError(f"could not apply the chat template: {exc}", param=param) from None
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
@@ -360,6 +365,34 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt
         return JSONResponse(body)
+
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest), responses=_ERRORS)
+    async def responses(request: Request):
+        req: ResponsesRequest = await _body(request, ResponsesRequest)
+        server._check_model(req.model)
+        if req.stream:
+            raise OpenAIError("streaming is not supported on /v1/responses; use chat completions to stream",
+                              param="stream", code="unsupported_parameter")
+        if req.n != 1:
+            raise OpenAIError("a response has one generation; n must be 1", param="n")
+        tools = chat_tools(req) if req.tool_choice != "none" else None
+        prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req), tools, "input")
+        want_logprobs = LOGPROBS_INCLUDE in (req.include or ())
+        params = server._params(req, max_tokens=req.max_output_tokens, prompt_len=len(prompt),
+                                top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)
+        choices = server.new_choices(1, 0, params.stop, bool(tools))
+        pending = server.batcher.submit(prompt, params, 1, stream=False)
+        async for _ in server.run(pending, choices):
+            pass
+        c = choices[0]
+        entries = ([server.chat_logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, c.tops)]
+                   if want_logprobs else None)
+        moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
+        items, status = output_items(c, prompt=prompt, logprob_entries=entries, token_ids=req.return_token_ids,
+                                     experts=bool(moe))
+        return JSONResponse(response_body(req, rid="resp_" + secrets.token_hex(12), created=int(time.time()),
+                                          model=server.name, prompt=prompt, items=items, status=status,
+                                          output_tokens=len(c.token_ids)))
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_ERRORS)
     async def completions(request: Request):

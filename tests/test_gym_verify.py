@@ -75,7 +75,11 @@ def test_a_gym_rollout_is_scored_and_answered_in_gyms_shape(server, text, reward
 def test_function_calls_in_the_response_are_the_runs_tool_calls(server):
     with_call = post(server.url, "/verify", gym(TOOL_USE, CALL, CALL_OUTPUT, message("391"))).json()
     without = post(server.url, "/verify", gym(TOOL_USE, message("391"))).json()
-    assert (with_call["reward"], without["reward"]) == (1.0, 0.0)
+    assert with_call["reward"] == 1.0 and with_call["verification"]["passed"]
+    assert not without["verification"]["passed"] and without["reward"] < 1.0
+    # No calls in a sessionless Gym body is our body with no calls.
+    ours = post(server.url, "/verify", {"task": TOOL_USE.model_dump(mode="json"), "answer": "391", "tool_calls": []})
+    assert VerifyResult.model_validate_json(ours.content) == VerifyResult.model_validate(without["verification"])
     # A call in the request's input (an earlier turn) counts too.
     earlier = gym(TOOL_USE, message("391"))
     earlier["responses_create_params"] = {**PARAMS, "input": [*PARAMS["input"], CALL, CALL_OUTPUT]}

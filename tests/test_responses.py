@@ -20,7 +20,7 @@ import pytest
 import transformers
 from helpers import ServiceProcess
 from test_proxy import ProxyProcess
-from test_serve import CALCULATOR, CALL_TEXT, echo  # noqa: F401  (echo is a fixture)
+from test_serve import CALCULATOR, CALL_TEXT, chat_ids, echo  # noqa: F401  (echo is a fixture)
 
 from rollmarket.localhost import free_port
 
@@ -63,10 +63,6 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def template_ids(tokenizer, messages, tools=None) -> list[int]:
-    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-
-
 def training_fields(item) -> dict:
     extra = item.model_extra or {}
     return {k: extra.get(k) for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
@@ -82,7 +78,7 @@ def test_tokens_logprobs_and_text_line_up_and_match_chat(server, tokenizer):
     assert message.type == "message" and message.role == "assistant"
     fields = training_fields(message)
     messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 17 * 23?"}]
-    assert fields["prompt_token_ids"] == template_ids(tokenizer, messages)
+    assert fields["prompt_token_ids"] == chat_ids(tokenizer, messages)
     ids = fields["generation_token_ids"]
     assert len(ids) == len(fields["generation_log_probs"]) == resp.usage.output_tokens > 0
     assert resp.usage.input_tokens == len(fields["prompt_token_ids"])
@@ -115,7 +111,7 @@ def test_input_items_render_like_the_chat_messages(server, tokenizer):
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "391"}]
-    assert training_fields(resp.output[-1])["prompt_token_ids"] == template_ids(tokenizer, messages, [CALCULATOR])
+    assert training_fields(resp.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, messages, [CALCULATOR])
 
 
 def test_tool_calls_become_function_call_items(echo, tokenizer):  # noqa: F811
@@ -160,7 +156,7 @@ def test_the_proxy_records_a_responses_call_and_strips_what_it_added(proxy, toke
     (capture,) = proxy.since(mark)
     assert capture.endpoint == "/v1/responses" and capture.augmented == ["return_token_ids", "return_routed_experts"]
     (choice,) = capture.choices
-    assert capture.prompt_token_ids.tolist() == template_ids(tokenizer, [{"role": "user", "content": "Say hello."}])
+    assert capture.prompt_token_ids.tolist() == chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}])
     assert choice.num_response_tokens == resp.usage.output_tokens
     assert tokenizer.decode(choice.response_token_ids.tolist(), skip_special_tokens=True) == resp.output_text
     assert choice.logprobs is not None and choice.logprobs.shape == (resp.usage.output_tokens,)

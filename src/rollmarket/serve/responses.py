@@ -83,9 +83,9 @@ def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(req.tools):
         if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
             raise OpenAIError(f"tools.{i}: only function tools with a `name` are supported", param="tools")
-        function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if tool.get("description"):
-            function["description"] = tool["description"]
+        # The template prints the function as JSON: its fields keep the client's order.
+        function = {key: value for key, value in tool.items() if key not in ("type", "strict")}
+        function.setdefault("parameters", {"type": "object"})
         tools.append({"type": "function", "function": function})
     return tools
 

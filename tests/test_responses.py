@@ -128,8 +128,42 @@ def test_tool_calls_become_function_call_items(echo, tokenizer):  # noqa: F811
     assert [item.type for item in plain.output] == ["message"] and plain.output_text == said
 
 
+def test_a_stream_carries_what_the_whole_response_carries(server):
+    c = client(server.url)
+    kwargs = dict(model=DENSE.name, input="What is 17 * 23?", max_output_tokens=8, temperature=0,
+                  include=["message.output_text.logprobs"], extra_body=RL)
+    whole = c.responses.create(**kwargs)
+    deltas, kinds, final = [], [], None
+    for event in c.responses.create(stream=True, **kwargs):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.completed":
+            final = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta") \
+        < kinds.index("response.output_text.done") < kinds.index("response.output_item.done")
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert training_fields(final.output[-1]) == training_fields(whole.output[-1])
+    assert final.status == whole.status and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_streamed_tool_call_is_a_function_call_item(echo):  # noqa: F811
+    said = "I will use the calculator.\n" + CALL_TEXT
+    added, done, final = [], [], None
+    for event in echo.responses.create(model=DENSE.name, input=said, tools=[TOOL], stream=True):
+        if event.type == "response.output_item.added":
+            added.append(event.item.type)
+        elif event.type == "response.function_call_arguments.done":
+            done.append(json.loads(event.arguments))
+        elif event.type == "response.completed":
+            final = event.response
+    assert added == ["message", "function_call"] and done == [{"expression": "17 * 23"}]
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output[0].content[0].text == "I will use the calculator."
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"input": "hi", "stream": True}, "stream"),
     ({"input": [{"type": "image", "url": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),

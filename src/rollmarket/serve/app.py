@@ -44,7 +44,14 @@ from .protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
-from .responses import LOGPROBS_INCLUDE, chat_messages, chat_tools, output_items, response_body
+from .responses import (
+    LOGPROBS_INCLUDE,
+    ResponseEvents,
+    chat_messages,
+    chat_tools,
+    output_items,
+    response_body,
+)
 from .settings import ServeSettings
 
 log = logging.getLogger(__name__)
@@ -370,9 +377,6 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
     async def responses(request: Request):
         req: ResponsesRequest = await _body(request, ResponsesRequest)
         server._check_model(req.model)
-        if req.stream:
-            raise OpenAIError("streaming is not supported on /v1/responses; use chat completions to stream",
-                              param="stream", code="unsupported_parameter")
         if req.n != 1:
             raise OpenAIError("a response has one generation; n must be 1", param="n")
         tools = chat_tools(req) if req.tool_choice != "none" else None
@@ -381,18 +385,26 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         params = server._params(req, max_tokens=req.max_output_tokens, prompt_len=len(prompt),
                                 top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)
         choices = server.new_choices(1, 0, params.stop, bool(tools))
-        pending = server.batcher.submit(prompt, params, 1, stream=False)
+        pending = server.batcher.submit(prompt, params, 1, stream=bool(req.stream))
+        rid, created = "resp_" + secrets.token_hex(12), int(time.time())
+        moe = bool(engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts)
+
+        def body() -> dict:
+            c = choices[0]
+            entries = ([server.chat_logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, c.tops)]
+                       if want_logprobs else None)
+            items, status = output_items(c, prompt=prompt, logprob_entries=entries,
+                                         token_ids=req.return_token_ids, experts=moe)
+            return response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=items,
+                                 status=status, output_tokens=len(c.token_ids))
+
+        if req.stream:
+            return StreamingResponse(_responses_stream(server, pending, choices, body, ResponseEvents(
+                response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=[],
+                              status="in_progress", output_tokens=0))), media_type="text/event-stream")
         async for _ in server.run(pending, choices):
             pass
-        c = choices[0]
-        entries = ([server.chat_logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, c.tops)]
-                   if want_logprobs else None)
-        moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
-        items, status = output_items(c, prompt=prompt, logprob_entries=entries, token_ids=req.return_token_ids,
-                                     experts=bool(moe))
-        return JSONResponse(response_body(req, rid="resp_" + secrets.token_hex(12), created=int(time.time()),
-                                          model=server.name, prompt=prompt, items=items, status=status,
-                                          output_tokens=len(c.token_ids)))
+        return JSONResponse(body())
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_ERRORS)
     async def completions(request: Request):
@@ -488,6 +500,26 @@ async def _chat_stream(server: ModelServer, req: ChatRequest, rid: str, created:
         yield _sse(dict(base, choices=[], usage={"prompt_tokens": len(prompt), "completion_tokens": completion,
                                                  "total_tokens": len(prompt) + completion}))
     yield b"data: [DONE]\n\n"
+
+
+async def _responses_stream(server: ModelServer, pending: Pending, choices: list[ChoiceState], body,
+                            events: ResponseEvents) -> AsyncIterator[bytes]:
+    for event in events.start():
+        yield event
+    c = choices[0]
+    try:
+        async for _ in server.run(pending, choices):
+            text, calls = c.stream_delta()
+            out = events.text(text) if text else []
+            for call in calls:
+                out += events.call(call)
+            for event in out:
+                yield event
+    except OpenAIError as exc:
+        yield events.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
+        return
+    for event in events.finish(body()):
+        yield event
 
 
 async def _completion_stream(server: ModelServer, req: CompletionRequest, rid: str, created: int, runs,

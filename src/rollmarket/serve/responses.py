@@ -10,6 +10,7 @@ on the last output item, which covers the whole generation.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
@@ -128,3 +129,88 @@ def response_body(req: ResponsesRequest, *, rid: str, created: int, model: str, 
                   "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": len(prompt) + output_tokens},
     }
+
+
+class ResponseEvents:
+    """The server-sent events of one streamed Response, in OpenAI's order and shapes.
+
+    Text opens an assistant ``message`` item on its first delta; each tool call, once parsed
+    whole, is a ``function_call`` item (added, its arguments in one delta, done). The closing
+    ``response.completed`` carries the whole Response, with the token fields when asked for.
+    """
+
+    def __init__(self, base: dict[str, Any]):
+        self.base = base
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self._message: dict[str, Any] | None = None
+        self._text: list[str] = []
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return (f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode()
+                + b"\n\n")
+
+    def start(self) -> list[bytes]:
+        response = {**self.base, "status": "in_progress", "output": [], "usage": None}
+        return [self.event("response.created", response=response), self.event("response.in_progress",
+                                                                                response=response)]
+
+    def text(self, delta: str) -> list[bytes]:
+        out = []
+        if self._message is None:
+            self._message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                             "status": "in_progress", "content": []}
+            self.items.append(self._message)
+            out += [self.event("response.output_item.added", output_index=len(self.items) - 1, item=self._message),
+                    self.event("response.content_part.added", item_id=self._message["id"],
+                               output_index=len(self.items) - 1, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": []})]
+        self._text.append(delta)
+        out.append(self.event("response.output_text.delta", item_id=self._message["id"],
+                              output_index=self.items.index(self._message), content_index=0, delta=delta,
+                              logprobs=[]))
+        return out
+
+    def close_message(self, final: dict[str, Any] | None = None) -> list[bytes]:
+        """Close the open message item (with `final`'s part, logprobs included, when given)."""
+        if self._message is None:
+            return []
+        message, self._message = self._message, None
+        index = self.items.index(message)
+        part = (final or {}).get("content", [None])[0] or {"type": "output_text", "text": "".join(self._text),
+                                                             "annotations": []}
+        message.update(status="completed", content=[part])
+        return [self.event("response.output_text.done", item_id=message["id"], output_index=index,
+                           content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
+                self.event("response.content_part.done", item_id=message["id"], output_index=index,
+                           content_index=0, part=part),
+                self.event("response.output_item.done", output_index=index, item=message)]
+
+    def call(self, call: dict[str, Any]) -> list[bytes]:
+        out = self.close_message()
+        item = {"id": "fc_" + secrets.token_hex(12), "type": "function_call", "status": "in_progress",
+                "call_id": call["id"], "name": call["function"]["name"], "arguments": ""}
+        self.items.append(item)
+        index = len(self.items) - 1
+        arguments = call["function"]["arguments"]
+        out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+        out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=arguments))
+        item.update(arguments=arguments, status="completed")
+        out += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=arguments),
+                self.event("response.output_item.done", output_index=index, item=item)]
+        return out
+
+    def finish(self, body: dict[str, Any]) -> list[bytes]:
+        """Close what is open and send the whole Response; streamed items keep their ids."""
+        final = body["output"]
+        messages = [item for item in final if item["type"] == "message"]
+        out = self.close_message(messages[0] if messages else None)
+        if not self.items and messages:  # an empty answer is still one (empty) message item
+            out += self.text("") + self.close_message(messages[0])
+        for streamed, item in zip(self.items, final):
+            item["id"] = streamed["id"]
+        return out + [self.event("response.completed", response=body)]

@@ -204,3 +204,21 @@ def test_the_proxy_records_a_responses_call_and_strips_what_it_added(proxy, toke
     (capture,) = proxy.since(mark)
     assert capture.choices[0].response_token_ids.tolist() == fields["generation_token_ids"]
     assert capture.choices[0].logprobs.tolist() == pytest.approx(fields["generation_log_probs"], abs=1e-6)
+
+
+def test_the_proxy_records_a_streamed_response(proxy, tokenizer):
+    kwargs = dict(model=DENSE.name, input="Say hello.", max_output_tokens=6, temperature=0)
+    mark = proxy.mark()
+    whole = client(proxy.url).responses.create(**kwargs)
+    events = list(client(proxy.url).responses.create(stream=True, **kwargs))
+    assert events[-1].type == "response.completed"
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert all(v is None for v in training_fields(final.output[-1]).values())  # stripped on the way
+    first, streamed = proxy.since(mark)
+    assert streamed.stream and streamed.endpoint == "/v1/responses"
+    assert streamed.prompt_token_ids.tolist() == first.prompt_token_ids.tolist()
+    assert streamed.choices[0].response_token_ids.tolist() == first.choices[0].response_token_ids.tolist()
+    assert tokenizer.decode(streamed.choices[0].response_token_ids.tolist(), skip_special_tokens=True) \
+        == final.output_text
+    assert streamed.timings.first_token_s is not None

@@ -124,6 +124,9 @@ def strip_response(body: dict[str, Any], aug: Augmentation) -> dict[str, Any]:
 def strip_chunk(chunk: dict[str, Any], aug: Augmentation) -> dict[str, Any] | None:
     """Remove from one streamed chunk (in place) what the client did not ask for; None when the
     whole chunk is the proxy's own (the usage chunk it asked for)."""
+    if isinstance(chunk.get("response"), dict):  # a Responses event that carries the whole Response
+        strip_response(chunk["response"], aug)
+        return chunk
     if aug.usage and chunk.get("usage") is not None and not chunk.get("choices"):
         return None
     if aug.routed_experts and not chunk.get("choices") and isinstance(chunk.get("sglext"), dict) \

@@ -250,8 +250,23 @@ class CallRecorder:
         if state.prompt_token_ids and not self.prompt_token_ids:
             self.prompt_token_ids = state.prompt_token_ids
 
+    def _response_event(self, event: dict[str, Any]) -> None:
+        """One event of a streamed Response: the last (`response.completed`, or `.incomplete`,
+        `.failed`) holds the whole Response, which is what gets recorded."""
+        kind = event.get("type") or ""
+        if kind.endswith(".delta"):
+            self.saw_output = True
+        response = event.get("response")
+        if kind in ("response.completed", "response.incomplete", "response.failed") and isinstance(response, dict):
+            self.response(response)
+        elif kind == "error":
+            self.error = {key: event.get(key) for key in ("message", "code", "param")}
+
     def chunk(self, chunk: dict[str, Any]) -> None:
         """One streamed chunk."""
+        if self.endpoint == RESPONSES:
+            self._response_event(chunk)
+            return
         self._top(chunk)
         for position, choice in enumerate(chunk.get("choices") or ()):
             if not isinstance(choice, dict):

@@ -222,3 +222,33 @@ def test_the_proxy_records_a_streamed_response(proxy, tokenizer):
     assert tokenizer.decode(streamed.choices[0].response_token_ids.tolist(), skip_special_tokens=True) \
         == final.output_text
     assert streamed.timings.first_token_s is not None
+
+
+def test_our_response_is_a_gym_rollout_our_verifier_scores(echo, tmp_path):  # noqa: F811
+    """The model server's Response, as a Gym agent would hand it on, scored by the resources server."""
+    from test_resources_server import post, start_server
+
+    from rollmarket.contracts import TaskSpec
+
+    task = TaskSpec(task_id="calc", prompt="17 * 23?", tools=["calculator"], verifier="tool_use",
+                    verifier_args={"required": ["calculator"]})
+    params = {"input": "I will use the calculator.\n" + CALL_TEXT, "tools": [TOOL]}
+    resp = echo.responses.create(model=DENSE.name, **params, extra_body=RL)
+    resources = start_server(tmp_path / "tmp")
+    try:
+        # The agent's part: run the call on the resources server and append its output, as Gym's agents do.
+        response = resp.model_dump(mode="json")
+        call = resp.output[-1]
+        session = post(resources.url, "/seed_session", {"task": task.model_dump(mode="json")}).json()["session_id"]
+        result = post(resources.url, f"/{call.name}", json.loads(call.arguments), session=session).json()
+        assert result["content"] == "391"
+        response["output"].append({"type": "function_call_output", "call_id": call.call_id, "output": result["content"]})
+        body = {"responses_create_params": params, "response": response, "task": task.model_dump(mode="json")}
+        answered = post(resources.url, "/verify", body)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["reward"] == 1.0 and answered.headers["x-rollmarket-tool-calls"] == "response"
+        plain = echo.responses.create(model=DENSE.name, input="I will answer directly.")
+        body["response"] = plain.model_dump(mode="json")
+        assert not post(resources.url, "/verify", body).json()["verification"]["passed"]
+    finally:
+        resources.stop()

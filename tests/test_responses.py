@@ -252,3 +252,23 @@ def test_our_response_is_a_gym_rollout_our_verifier_scores(echo, tmp_path):  # n
         assert not post(resources.url, "/verify", body).json()["verification"]["passed"]
     finally:
         resources.stop()
+
+
+def test_a_responses_output_goes_back_as_the_next_input(echo, server, tokenizer):  # noqa: F811
+    """The usual agent loop: the next request's input is the last input, the output items (token
+    fields and all) and the tool's output; it renders like the chat conversation it stands for,
+    the message and the call of one generation as one assistant turn."""
+    said = "I will use the calculator.\n" + CALL_TEXT
+    first = echo.responses.create(model=DENSE.name, input=[{"role": "user", "content": said}], tools=[TOOL],
+                                  extra_body=RL)
+    message, call = first.output
+    items = [{"role": "user", "content": said}, *(item.model_dump(mode="json") for item in first.output),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "391"}]
+    second = client(server.url).responses.create(model=DENSE.name, input=items, tools=[TOOL], max_output_tokens=2,
+                                                 extra_body=RL)
+    messages = [{"role": "user", "content": said},
+                {"role": "assistant", "content": "I will use the calculator.", "tool_calls": [{
+                    "id": call.call_id, "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "391"}]
+    assert training_fields(second.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, messages, [CALCULATOR])

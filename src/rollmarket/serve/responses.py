@@ -58,8 +58,9 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # parallel calls of one turn are one assistant message
+            if last is not None and last["role"] == "assistant":
+                # The text and the calls of one generation are one assistant turn, as the model wrote it.
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

@@ -169,6 +169,7 @@ def test_a_streamed_tool_call_is_a_function_call_item(echo):  # noqa: F811
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": ""}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
 ])
 def test_bad_bodies_are_typed_400s(server, body, param):
     with pytest.raises(openai.BadRequestError) as caught:

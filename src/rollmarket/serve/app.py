@@ -46,6 +46,7 @@ from .protocol import (
 )
 from .responses import (
     LOGPROBS_INCLUDE,
+    UNSUPPORTED_RESPONSES_FIELDS,
     ResponseEvents,
     chat_messages,
     chat_tools,
@@ -379,6 +380,10 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         server._check_model(req.model)
         if req.n != 1:
             raise OpenAIError("a response has one generation; n must be 1", param="n")
+        for name in UNSUPPORTED_RESPONSES_FIELDS:
+            if (req.model_extra or {}).get(name):
+                raise OpenAIError(f"{name} is not supported: this server keeps no responses; send the whole "
+                                  "conversation as input", param=name, code="unsupported_parameter")
         tools = chat_tools(req) if req.tool_choice != "none" else None
         prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req), tools, "input")
         want_logprobs = LOGPROBS_INCLUDE in (req.include or ())

@@ -20,6 +20,9 @@ from .protocol import OpenAIError, ResponsesRequest
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The ``include`` value that asks for per-token logprobs on each ``output_text`` part."""
 
+UNSUPPORTED_RESPONSES_FIELDS = ("previous_response_id", "conversation", "background")
+"""Stateful Responses features: ignoring them would answer a different conversation, so they are refused."""
+
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 

@@ -151,7 +151,7 @@ def bound_generation(body: Any, context: int) -> None:
     (zero, negative, beyond the context, beyond 64 bits, not numbers) stay as generated."""
     if not isinstance(body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if type(value) is int and MAX_GENERATED_TOKENS < value <= context:
             body[name] = MAX_GENERATED_TOKENS
@@ -210,7 +210,7 @@ def proxy(model, workdir):
     server.stop()
 
 
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class ProxyTarget(Target):

@@ -59,6 +59,10 @@ _RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
                             b"transfer-encoding", b"upgrade", b"content-length"})
 
 
+_RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+"""The last event of a streamed Response, which has no `data: [DONE]`."""
+
+
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -317,12 +321,13 @@ class Proxy:
                 recorder.chunk(chunk)
                 if "first_token_s" not in timings and recorder.saw_output:
                     timings["first_token_s"] = time.perf_counter() - t0
-                if strip is None:
-                    out.append(event)
-                else:
+                if strip is not None:
                     stripped = strip_chunk(chunk, strip)
-                    if stripped is not None:
-                        out.append(data_event(_dumps(stripped)))
+                    event = data_event(_dumps(stripped)) if stripped is not None else b""
+                if chunk.get("type") in _RESPONSE_ENDS:
+                    state["held"] += event  # a Responses stream's [DONE]: sent once the capture is written
+                elif event:
+                    out.append(event)
             if out:
                 await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
         rest = splitter.rest()

@@ -13,7 +13,11 @@ from typing import Any
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-GENERATION = (CHAT, COMPLETIONS)
+RESPONSES = "/v1/responses"
+GENERATION = (CHAT, COMPLETIONS, RESPONSES)
+
+TRAINING_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+"""NeMo Gym's token fields on a Responses output item, which `return_token_ids` asks for."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,9 @@ def augment_request(endpoint: str, body: dict[str, Any],
     """A copy of `body` that asks for everything a capture needs (but the fields in `skip`), and
     what was added."""
     out = dict(body)
-    if endpoint == CHAT:
+    if endpoint == RESPONSES:
+        logprobs = False  # NeMo Gym's token fields carry the logprobs with the ids
+    elif endpoint == CHAT:
         logprobs = not out.get("logprobs")
         if logprobs:
             out["logprobs"] = True
@@ -64,7 +70,7 @@ def augment_request(endpoint: str, body: dict[str, Any],
     if experts:
         out["return_routed_experts"] = True
     usage = False
-    if out.get("stream"):
+    if endpoint != RESPONSES and out.get("stream"):  # a Responses stream has no usage option
         options = out.get("stream_options")
         if not (isinstance(options, dict) and options.get("include_usage")):
             out["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
@@ -98,6 +104,15 @@ def _strip_top(body: dict[str, Any], aug: Augmentation) -> None:
     for choice in body.get("choices") or ():
         if isinstance(choice, dict):
             _strip_choice(choice, aug)
+    output = body.get("output") if body.get("object") == "response" else None
+    for item in output if isinstance(output, list) else ():
+        if not isinstance(item, dict):
+            continue
+        if aug.token_ids:
+            for name in TRAINING_FIELDS:
+                item.pop(name, None)
+        if aug.routed_experts:
+            item.pop("routed_experts", None)
 
 
 def strip_response(body: dict[str, Any], aug: Augmentation) -> dict[str, Any]:
@@ -109,6 +124,9 @@ def strip_response(body: dict[str, Any], aug: Augmentation) -> dict[str, Any]:
 def strip_chunk(chunk: dict[str, Any], aug: Augmentation) -> dict[str, Any] | None:
     """Remove from one streamed chunk (in place) what the client did not ask for; None when the
     whole chunk is the proxy's own (the usage chunk it asked for)."""
+    if isinstance(chunk.get("response"), dict):  # a Responses event that carries the whole Response
+        strip_response(chunk["response"], aug)
+        return chunk
     if aug.usage and chunk.get("usage") is not None and not chunk.get("choices"):
         return None
     if aug.routed_experts and not chunk.get("choices") and isinstance(chunk.get("sglext"), dict) \

@@ -29,7 +29,7 @@ from ..contracts.capture import (
     ConversationSource,
 )
 from . import linking
-from .augment import CHAT
+from .augment import CHAT, RESPONSES
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +200,9 @@ class CallRecorder:
     def response(self, body: dict[str, Any]) -> None:
         """A whole (non-streamed) answer."""
         self._top(body)
+        if self.endpoint == RESPONSES:
+            self._output_items(body)
+            return
         for position, choice in enumerate(body.get("choices") or ()):
             if not isinstance(choice, dict):
                 continue
@@ -217,8 +220,53 @@ class CallRecorder:
                 state.content.append(choice["text"])
             state.add_extras(choice, chat=self.chat)
 
+    def _output_items(self, body: dict[str, Any]) -> None:
+        """A Responses answer is one choice: its message text, its function calls, and NeMo Gym's
+        token fields on the item that carries them."""
+        state = self._choice(0)
+        calls = []
+        for item in body.get("output") or ():
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "message":
+                state.content.extend(part["text"] for part in item.get("content") or ()
+                                     if isinstance(part, dict) and isinstance(part.get("text"), str))
+            elif item.get("type") == "function_call":
+                calls.append({"id": item.get("call_id"), "function": {
+                    "name": item.get("name"), "arguments": item.get("arguments")}})
+            elif item.get("type") == "reasoning":
+                state.reasoning.extend(part["text"] for part in item.get("summary") or ()
+                                       if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if item.get("generation_token_ids") is not None:
+                state.add_extras({"token_ids": item["generation_token_ids"],
+                                  "prompt_token_ids": item.get("prompt_token_ids"),
+                                  "routed_experts": item.get("routed_experts")}, chat=True)
+                state.logprobs.extend(item.get("generation_log_probs") or ())
+                state.logprobs_missing = item.get("generation_log_probs") is None
+        if calls:
+            state.add_tool_calls(calls, streamed=False)
+        incomplete = body.get("status") == "incomplete"
+        state.finish_reason = "length" if incomplete else "tool_calls" if calls else "stop"
+        if state.prompt_token_ids and not self.prompt_token_ids:
+            self.prompt_token_ids = state.prompt_token_ids
+
+    def _response_event(self, event: dict[str, Any]) -> None:
+        """One event of a streamed Response: the last (`response.completed`, or `.incomplete`,
+        `.failed`) holds the whole Response, which is what gets recorded."""
+        kind = event.get("type") or ""
+        if kind.endswith(".delta"):
+            self.saw_output = True
+        response = event.get("response")
+        if kind in ("response.completed", "response.incomplete", "response.failed") and isinstance(response, dict):
+            self.response(response)
+        elif kind == "error":
+            self.error = {key: event.get(key) for key in ("message", "code", "param")}
+
     def chunk(self, chunk: dict[str, Any]) -> None:
         """One streamed chunk."""
+        if self.endpoint == RESPONSES:
+            self._response_event(chunk)
+            return
         self._top(chunk)
         for position, choice in enumerate(chunk.get("choices") or ()):
             if not isinstance(choice, dict):

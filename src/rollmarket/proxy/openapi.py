@@ -45,6 +45,15 @@ class CompletionCall(_Generation):
     logprobs: int | None = Field(None, ge=0, le=20, description="Added as 0 when left out.")
 
 
+class ResponsesCall(_Generation):
+    """Body of POST /v1/responses as the proxy reads it."""
+
+    input: str | list[dict[str, Any]] = Field(description="A user message, or a list of input items.")
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+
+
 _ERROR_SCHEMA: dict[str, Any] = copy.deepcopy(OPENAI_ERROR_SCHEMA)
 _ERROR_SCHEMA["properties"]["error"]["required"] = ["message", "type"]  # an upstream's may leave param, code out
 
@@ -78,8 +87,11 @@ def proxy_openapi() -> dict[str, Any]:
             "/v1/completions": {"post": {
                 "summary": "Completions, recorded", "operationId": "completions",
                 **json_body(CompletionCall), "responses": {**ok, **generation}}},
+            "/v1/responses": {"post": {
+                "summary": "Responses, recorded", "operationId": "responses",
+                **json_body(ResponsesCall), "responses": {**ok, **generation}}},
         },
     }
-    add_component_schemas(schema, [ChatCall, CompletionCall])
+    add_component_schemas(schema, [ChatCall, CompletionCall, ResponsesCall])
     schema["components"]["schemas"]["OpenAIErrorBody"] = _ERROR_SCHEMA
     return schema

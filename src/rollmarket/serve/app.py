@@ -1,4 +1,4 @@
-"""The HTTP face of the embedded engine: /v1/models, /v1/chat/completions, /v1/completions.
+"""The HTTP face of the embedded engine: /v1/models, /v1/chat/completions, /v1/completions, /v1/responses.
 
 Responses follow OpenAI's shapes; the RL extensions follow vLLM: ``prompt_token_ids`` on the
 response and ``token_ids`` on each choice when ``return_token_ids`` is set, and
@@ -41,7 +41,17 @@ from .protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
+    ResponsesRequest,
     TokenizeRequest,
+)
+from .responses import (
+    LOGPROBS_INCLUDE,
+    UNSUPPORTED_RESPONSES_FIELDS,
+    ResponseEvents,
+    chat_messages,
+    chat_tools,
+    output_items,
+    response_body,
 )
 from .settings import ServeSettings
 
@@ -62,7 +72,7 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> OpenAIEr
                        param=param)
 
 
-_BODY_MODELS = [ChatRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+_BODY_MODELS = [ChatRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
 _ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {
     "$ref": "#/components/schemas/OpenAIErrorBody"}}}} for status, text in (
     (400, "Bad JSON or values (OpenAI's error shape)"), (404, "Unknown model or route"),
@@ -116,12 +126,15 @@ class ModelServer:
             raise OpenAIError(str(exc)) from None
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
-        messages = [_normalise_message(m) for m in req.messages]
-        tools = req.tools if req.tool_choice != "none" else None
+        return self.encode_messages(req.messages, req.tools if req.tool_choice != "none" else None)
+
+    def encode_messages(self, messages: list[dict], tools: list[dict] | None, param: str = "messages") -> list[int]:
+        """The prompt ids of chat messages (and tools) under the model's chat template."""
+        messages = [_normalise_message(m) for m in messages]
         try:
             return self.engine.encode_chat(messages, tools)
         except Exception as exc:  # template errors are the client's input, not a crash
-            raise OpenAIError(f"could not apply the chat template: {exc}", param="messages") from None
+            raise OpenAIError(f"could not apply the chat template: {exc}", param=param) from None
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
@@ -361,6 +374,43 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
             body["prompt_token_ids"] = prompt
         return JSONResponse(body)
 
+    @app.post("/v1/responses", openapi_extra=json_body(ResponsesRequest), responses=_ERRORS)
+    async def responses(request: Request):
+        req: ResponsesRequest = await _body(request, ResponsesRequest)
+        server._check_model(req.model)
+        if req.n != 1:
+            raise OpenAIError("a response has one generation; n must be 1", param="n")
+        for name in UNSUPPORTED_RESPONSES_FIELDS:
+            if (req.model_extra or {}).get(name):
+                raise OpenAIError(f"{name} is not supported: this server keeps no responses; send the whole "
+                                  "conversation as input", param=name, code="unsupported_parameter")
+        tools = chat_tools(req) if req.tool_choice != "none" else None
+        prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req), tools, "input")
+        want_logprobs = LOGPROBS_INCLUDE in (req.include or ())
+        params = server._params(req, max_tokens=req.max_output_tokens, prompt_len=len(prompt),
+                                top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)
+        choices = server.new_choices(1, 0, params.stop, bool(tools))
+        pending = server.batcher.submit(prompt, params, 1, stream=bool(req.stream))
+        rid, created = "resp_" + secrets.token_hex(12), int(time.time())
+        moe = bool(engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts)
+
+        def body() -> dict:
+            c = choices[0]
+            entries = ([server.chat_logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, c.tops)]
+                       if want_logprobs else None)
+            items, status = output_items(c, prompt=prompt, logprob_entries=entries,
+                                         token_ids=req.return_token_ids, experts=moe)
+            return response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=items,
+                                 status=status, output_tokens=len(c.token_ids))
+
+        if req.stream:
+            return StreamingResponse(_responses_stream(server, pending, choices, body, ResponseEvents(
+                response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=[],
+                              status="in_progress", output_tokens=0))), media_type="text/event-stream")
+        async for _ in server.run(pending, choices):
+            pass
+        return JSONResponse(body())
+
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_ERRORS)
     async def completions(request: Request):
         req: CompletionRequest = await _body(request, CompletionRequest)
@@ -455,6 +505,26 @@ async def _chat_stream(server: ModelServer, req: ChatRequest, rid: str, created:
         yield _sse(dict(base, choices=[], usage={"prompt_tokens": len(prompt), "completion_tokens": completion,
                                                  "total_tokens": len(prompt) + completion}))
     yield b"data: [DONE]\n\n"
+
+
+async def _responses_stream(server: ModelServer, pending: Pending, choices: list[ChoiceState], body,
+                            events: ResponseEvents) -> AsyncIterator[bytes]:
+    for event in events.start():
+        yield event
+    c = choices[0]
+    try:
+        async for _ in server.run(pending, choices):
+            text, calls = c.stream_delta()
+            out = events.text(text) if text else []
+            for call in calls:
+                out += events.call(call)
+            for event in out:
+                yield event
+    except OpenAIError as exc:
+        yield events.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
+        return
+    for event in events.finish(body()):
+        yield event
 
 
 async def _completion_stream(server: ModelServer, req: CompletionRequest, rid: str, created: int, runs,

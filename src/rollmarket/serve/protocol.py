@@ -119,3 +119,28 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     tokens: list[TokenId]
+
+
+class ResponsesRequest(_Common):
+    """Body of POST /v1/responses (OpenAI's Responses API) with the same RL extensions as chat.
+
+    ``input`` is a string (one user message) or a list of input items: messages (``role`` and
+    ``content``), ``function_call`` items the model made and ``function_call_output`` items with
+    their results. ``return_token_ids`` puts NeMo Gym's ``prompt_token_ids``,
+    ``generation_token_ids`` and ``generation_log_probs`` on the last output item.
+    """
+
+    input: str | list[dict[str, Any]] = Field(description="A user message, or a list of input items.")
+    instructions: str | None = Field(None, description="A system message put before the input.")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = Field(None, max_length=MAX_STOP)
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value):
+        if not value:
+            raise ValueError("input must not be empty")
+        return value

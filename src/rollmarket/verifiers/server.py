@@ -5,7 +5,8 @@
     GET  /session          the caller's session: its task, tools and how many calls it recorded
     POST /seed_session     {"task": TaskSpec} or {} -> {"session_id", "tools"}; sets the cookie
     POST /close_session    closes the caller's session and deletes its workspace
-    POST /verify           {"task", "answer", "tool_calls"} or {"task", "trajectory"} -> VerifyResult
+    POST /verify           {"task", "answer", "tool_calls"} or {"task", "trajectory"} -> VerifyResult;
+                           NeMo Gym's {"responses_create_params", "response"} -> {..., "reward"}
     POST /<tool>           the arguments object -> ToolResult, run in the caller's session
 
 The session travels in the `rollmarket_session` cookie or the `x-rollmarket-session` header (the
@@ -47,6 +48,7 @@ from ..contracts import (
     new_id,
 )
 from ..contracts.limits import MAX_KEY_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
+from .gym import GymBodyError, GymVerifyRequest, final_answer, gym_answer, is_gym_body, read_gym_body, run_tool_calls
 from .sessions import (
     CALL_ID_HEADER,
     SESSION_COOKIE,
@@ -287,8 +289,13 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
 
     @app.post("/verify", response_model=VerifyResult, responses=_ERRORS, openapi_extra=json_body(VerifyRequest))
     async def verify_route(request: Request) -> Response:
-        """Score an answer with the task's verifier. Without tool_calls, the session's recorded calls are used."""
-        body = _validate(VerifyRequest, _json(await _body(request, settings.max_body_bytes)))
+        """Score an answer with the task's verifier. Without tool_calls, the session's recorded calls are used.
+
+        A NeMo Gym body (`responses_create_params` + `response`) is answered in Gym's shape."""
+        payload = _json(await _body(request, settings.max_body_bytes))
+        if is_gym_body(payload):
+            return await verify_gym(request, payload)
+        body = _validate(VerifyRequest, payload)
         session = caller(request) if session_id_of(request) else None
         task = body.task or (session.task if session is not None else None)
         if task is None:
@@ -308,6 +315,26 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         except VerifierConfigError as exc:
             raise Fault(ErrorCode.invalid_request, str(exc)) from None
         return JSONResponse(verdict.model_dump(mode="json"), headers={"x-rollmarket-tool-calls": source})
+
+    async def verify_gym(request: Request, payload: dict[str, Any]) -> Response:
+        try:
+            body = read_gym_body(payload)
+            answer, calls = final_answer(body), run_tool_calls(body)
+        except GymBodyError as exc:
+            raise Fault(ErrorCode.invalid_request, str(exc), {"shape": "nemo_gym"}) from None
+        session = caller(request) if session_id_of(request) else None
+        task = body.task or (session.task if session is not None else None)
+        if task is None:
+            raise Fault(ErrorCode.invalid_request, "task: required beside a NeMo Gym body (the session has no task)")
+        source = "response"
+        if calls is None:
+            calls, source = (session.recorded(), "session") if session is not None else ([], "none")
+        verifier = _verifier(task)
+        try:
+            verdict = await in_pool(lambda: verifier.verify(task, answer, tool_calls=calls))
+        except VerifierConfigError as exc:
+            raise Fault(ErrorCode.invalid_request, str(exc)) from None
+        return JSONResponse(gym_answer(payload, verdict), headers={"x-rollmarket-tool-calls": source})
 
     def _verifier(task: TaskSpec):
         try:
@@ -363,7 +390,7 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         if app.openapi_schema:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        add_component_schemas(schema, [SeedRequest, VerifyRequest])
+        add_component_schemas(schema, [SeedRequest, VerifyRequest, GymVerifyRequest])
         generic = schema["paths"]["/{tool_name}"]["post"]
         for tool in tool_schemas(tool_names):
             function = tool["function"]

@@ -1,0 +1,220 @@
+"""OpenAI's Responses API on top of the chat path: input items in, output items out.
+
+A Responses request is turned into the chat messages and function tools the chat template reads;
+the finished choice is turned into output items (an assistant ``message`` and one
+``function_call`` per parsed tool call). The RL extensions use NeMo Gym's names, so that a Gym
+agent reads our answers as it reads its own model servers': ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs`` (and ``routed_experts`` on an MoE model)
+on the last output item, which covers the whole generation.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from .choice import ChoiceState
+from .protocol import OpenAIError, ResponsesRequest
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The ``include`` value that asks for per-token logprobs on each ``output_text`` part."""
+
+UNSUPPORTED_RESPONSES_FIELDS = ("previous_response_id", "conversation", "background")
+"""Stateful Responses features: ignoring them would answer a different conversation, so they are refused."""
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        for part in content:
+            if part.get("type", "input_text") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise OpenAIError(f"{where}: only text content parts are supported, not {part.get('type')!r}",
+                                  param="input")
+        return "".join(part["text"] for part in content)
+    raise OpenAIError(f"{where}: content must be a string or a list of text parts", param="input")
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages a Responses request stands for: instructions first, then the input items."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return messages + [{"role": "user", "content": req.input}]
+    for i, item in enumerate(req.input):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise OpenAIError(f"{where}.role: must be user, assistant, system or developer", param="input")
+            # The chat templates know no developer role; it is the system prompt by another name.
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+                raise OpenAIError(f"{where}: a function_call needs string `name` and `arguments`", param="input")
+            call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                # The text and the calls of one generation are one assistant turn, as the model wrote it.
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise OpenAIError(f"{where}: a function_call_output needs a string `call_id`", param="input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output", ""), where)})
+        elif kind == "reasoning":
+            continue  # the template would not show it to the model either
+        else:
+            raise OpenAIError(f"{where}.type: unsupported input item {kind!r}", param="input")
+    if not messages:
+        raise OpenAIError("input has no messages", param="input")
+    return messages
+
+
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """Responses function tools (flat) as chat tools (nested under ``function``)."""
+    if not req.tools:
+        return None
+    tools = []
+    for i, tool in enumerate(req.tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise OpenAIError(f"tools.{i}: only function tools with a `name` are supported", param="tools")
+        # The template prints the function as JSON: its fields keep the client's order.
+        function = {key: value for key, value in tool.items() if key not in ("type", "strict")}
+        function.setdefault("parameters", {"type": "object"})
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def output_items(c: ChoiceState, *, prompt: list[int], logprob_entries: list[dict] | None,
+                 token_ids: bool, experts: bool) -> tuple[list[dict[str, Any]], str]:
+    """The output items of a finished choice, and the response's status."""
+    content, calls, reason = c.final()
+    items: list[dict[str, Any]] = []
+    if content or not calls:
+        part: dict[str, Any] = {"type": "output_text", "text": content or "", "annotations": []}
+        if logprob_entries is not None:
+            part["logprobs"] = logprob_entries
+        items.append({"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                      "status": "completed", "content": [part]})
+    for call in calls:
+        items.append({"id": "fc_" + secrets.token_hex(12), "type": "function_call", "status": "completed",
+                      "call_id": call["id"], "name": call["function"]["name"],
+                      "arguments": call["function"]["arguments"]})
+    if token_ids:
+        items[-1].update(prompt_token_ids=prompt, generation_token_ids=c.token_ids,
+                         generation_log_probs=c.logprobs)
+    if experts:
+        items[-1]["routed_experts"] = c.experts
+    return items, ("incomplete" if reason == "length" else "completed")
+
+
+def response_body(req: ResponsesRequest, *, rid: str, created: int, model: str, prompt: list[int],
+                  items: list[dict[str, Any]], status: str, output_tokens: int) -> dict[str, Any]:
+    """The whole Response object, as OpenAI's client reads it."""
+    return {
+        "id": rid, "object": "response", "created_at": created, "model": model, "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "output": items, "tools": req.tools or [],
+        "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
+        "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+        "metadata": {}, "text": {"format": {"type": "text"}},
+        "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": len(prompt) + output_tokens},
+    }
+
+
+class ResponseEvents:
+    """The server-sent events of one streamed Response, in OpenAI's order and shapes.
+
+    Text opens an assistant ``message`` item on its first delta; each tool call, once parsed
+    whole, is a ``function_call`` item (added, its arguments in one delta, done). The closing
+    ``response.completed`` carries the whole Response, with the token fields when asked for.
+    """
+
+    def __init__(self, base: dict[str, Any]):
+        self.base = base
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []
+        self._message: dict[str, Any] | None = None
+        self._text: list[str] = []
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return (f"event: {kind}\ndata: ".encode() + json.dumps(payload, separators=(",", ":")).encode()
+                + b"\n\n")
+
+    def start(self) -> list[bytes]:
+        response = {**self.base, "status": "in_progress", "output": [], "usage": None}
+        return [self.event("response.created", response=response), self.event("response.in_progress",
+                                                                                response=response)]
+
+    def text(self, delta: str) -> list[bytes]:
+        out = []
+        if self._message is None:
+            self._message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
+                             "status": "in_progress", "content": []}
+            self.items.append(self._message)
+            out += [self.event("response.output_item.added", output_index=len(self.items) - 1, item=self._message),
+                    self.event("response.content_part.added", item_id=self._message["id"],
+                               output_index=len(self.items) - 1, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": []})]
+        self._text.append(delta)
+        out.append(self.event("response.output_text.delta", item_id=self._message["id"],
+                              output_index=self.items.index(self._message), content_index=0, delta=delta,
+                              logprobs=[]))
+        return out
+
+    def close_message(self, final: dict[str, Any] | None = None) -> list[bytes]:
+        """Close the open message item (with `final`'s part, logprobs included, when given)."""
+        if self._message is None:
+            return []
+        message, self._message = self._message, None
+        index = self.items.index(message)
+        part = (final or {}).get("content", [None])[0] or {"type": "output_text", "text": "".join(self._text),
+                                                             "annotations": []}
+        message.update(status="completed", content=[part])
+        return [self.event("response.output_text.done", item_id=message["id"], output_index=index,
+                           content_index=0, text=part["text"], logprobs=part.get("logprobs", [])),
+                self.event("response.content_part.done", item_id=message["id"], output_index=index,
+                           content_index=0, part=part),
+                self.event("response.output_item.done", output_index=index, item=message)]
+
+    def call(self, call: dict[str, Any]) -> list[bytes]:
+        out = self.close_message()
+        item = {"id": "fc_" + secrets.token_hex(12), "type": "function_call", "status": "in_progress",
+                "call_id": call["id"], "name": call["function"]["name"], "arguments": ""}
+        self.items.append(item)
+        index = len(self.items) - 1
+        arguments = call["function"]["arguments"]
+        out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
+        out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=arguments))
+        item.update(arguments=arguments, status="completed")
+        out += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=arguments),
+                self.event("response.output_item.done", output_index=index, item=item)]
+        return out
+
+    def finish(self, body: dict[str, Any]) -> list[bytes]:
+        """Close what is open and send the whole Response; streamed items keep their ids."""
+        final = body["output"]
+        messages = [item for item in final if item["type"] == "message"]
+        out = self.close_message(messages[0] if messages else None)
+        if not self.items and messages:  # an empty answer is still one (empty) message item
+            out += self.text("") + self.close_message(messages[0])
+        for streamed, item in zip(self.items, final):
+            item["id"] = streamed["id"]
+        return out + [self.event("response.completed", response=body)]

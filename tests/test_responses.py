@@ -1,0 +1,275 @@
+"""`POST /v1/responses` on `rollmarket serve-model` and through `rollmarket proxy`, with the official client.
+
+One real model server (tiny-dense, fp32) and one proxy in front of it, on loopback. What the
+tests protect: the Responses input renders to the same prompt as the equivalent chat messages
+(checked against the tokenizer's own chat template); NeMo Gym's token fields line up one to one
+with the text and agree with what chat completions generates; tool calls become
+``function_call`` items (driven by the echo engine, since random weights write none); bad bodies
+are OpenAI-shaped 400s; the proxy records a Responses call with its tokens and strips what it
+added.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+import transformers
+from helpers import ServiceProcess
+from test_proxy import ProxyProcess
+from test_serve import CALCULATOR, CALL_TEXT, chat_ids, echo  # noqa: F401  (echo is a fixture)
+
+from rollmarket.localhost import free_port
+
+DENSE = Path(__file__).resolve().parents[1] / "models" / "tiny-dense"
+RL = {"return_token_ids": True}
+TOOL = {"type": "function", **CALCULATOR["function"]}  # the Responses API's flat function tool
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("responses")
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    assert (DENSE / "config.json").exists(), f"{DENSE} is missing; rebuild with `rollmarket models build`"
+    port = free_port()
+    process = ServiceProcess([sys.executable, "-m", "rollmarket", "serve-model", str(DENSE), "--port", str(port),
+                              "--precision", "fp32", "--device", "cpu"], workdir / "serve.log", port,
+                             env={"OMP_NUM_THREADS": "1"})
+    process.start(timeout=180)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(server, workdir):
+    process = ProxyProcess(server.url, workdir / "captures.db", workdir / "proxy.log")
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(DENSE, local_files_only=True)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def training_fields(item) -> dict:
+    extra = item.model_extra or {}
+    return {k: extra.get(k) for k in ("prompt_token_ids", "generation_token_ids", "generation_log_probs")}
+
+
+def test_tokens_logprobs_and_text_line_up_and_match_chat(server, tokenizer):
+    c = client(server.url)
+    resp = c.responses.create(model=DENSE.name, input="What is 17 * 23?", instructions="Answer with a number.",
+                              max_output_tokens=10, temperature=0, include=["message.output_text.logprobs"],
+                              top_logprobs=2, extra_body=RL)
+    assert resp.object == "response" and resp.model == DENSE.name
+    (message,) = resp.output
+    assert message.type == "message" and message.role == "assistant"
+    fields = training_fields(message)
+    messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 17 * 23?"}]
+    assert fields["prompt_token_ids"] == chat_ids(tokenizer, messages)
+    ids = fields["generation_token_ids"]
+    assert len(ids) == len(fields["generation_log_probs"]) == resp.usage.output_tokens > 0
+    assert resp.usage.input_tokens == len(fields["prompt_token_ids"])
+    assert message.content[0].text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert resp.output_text == message.content[0].text
+    entries = message.content[0].logprobs
+    assert [e.logprob for e in entries] == fields["generation_log_probs"]
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in entries)
+    ended_by_length = len(ids) == 10
+    assert resp.status == ("incomplete" if ended_by_length else "completed")
+    assert (resp.incomplete_details is not None) == ended_by_length
+
+    # Greedy decoding through chat completions yields the same tokens from the same prompt.
+    chat = c.chat.completions.create(model=DENSE.name, messages=messages, max_tokens=10, temperature=0,
+                                     extra_body=RL)
+    assert chat.choices[0].model_extra["token_ids"] == ids
+
+
+def test_input_items_render_like_the_chat_messages(server, tokenizer):
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 17 * 23?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "calculator",
+         "arguments": json.dumps({"expression": "17 * 23"})},
+        {"type": "function_call_output", "call_id": "call_1", "output": "391"},
+    ]
+    resp = client(server.url).responses.create(model=DENSE.name, input=items, tools=[TOOL], max_output_tokens=2,
+                                               extra_body=RL)
+    messages = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 17 * 23?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "391"}]
+    assert training_fields(resp.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, messages, [CALCULATOR])
+
+
+def test_tool_calls_become_function_call_items(echo, tokenizer):  # noqa: F811
+    said = "I will use the calculator.\n" + CALL_TEXT
+    resp = echo.responses.create(model=DENSE.name, input=said, tools=[TOOL], extra_body=RL)
+    message, call = resp.output
+    assert message.type == "message" and message.content[0].text == "I will use the calculator."
+    assert call.type == "function_call" and call.name == "calculator" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) == {"expression": "17 * 23"}
+    assert "generation_token_ids" not in (message.model_extra or {})  # one generation: on the last item
+    ids = training_fields(call)["generation_token_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == said  # the whole generation, call text included
+    plain = echo.responses.create(model=DENSE.name, input=said, tools=[TOOL], tool_choice="none")
+    assert [item.type for item in plain.output] == ["message"] and plain.output_text == said
+
+
+def test_a_stream_carries_what_the_whole_response_carries(server):
+    c = client(server.url)
+    kwargs = dict(model=DENSE.name, input="What is 17 * 23?", max_output_tokens=8, temperature=0,
+                  include=["message.output_text.logprobs"], extra_body=RL)
+    whole = c.responses.create(**kwargs)
+    deltas, kinds, final = [], [], None
+    for event in c.responses.create(stream=True, **kwargs):
+        kinds.append(event.type)
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type == "response.completed":
+            final = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta") \
+        < kinds.index("response.output_text.done") < kinds.index("response.output_item.done")
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert training_fields(final.output[-1]) == training_fields(whole.output[-1])
+    assert final.status == whole.status and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_streamed_tool_call_is_a_function_call_item(echo):  # noqa: F811
+    said = "I will use the calculator.\n" + CALL_TEXT
+    added, done, final = [], [], None
+    for event in echo.responses.create(model=DENSE.name, input=said, tools=[TOOL], stream=True):
+        if event.type == "response.output_item.added":
+            added.append(event.item.type)
+        elif event.type == "response.function_call_arguments.done":
+            done.append(json.loads(event.arguments))
+        elif event.type == "response.completed":
+            final = event.response
+    assert added == ["message", "function_call"] and done == [{"expression": "17 * 23"}]
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert final.output[0].content[0].text == "I will use the calculator."
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"type": "image", "url": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": ""}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+])
+def test_bad_bodies_are_typed_400s(server, body, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server.url).responses.create(model=DENSE.name, **body)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == param
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError):
+        client(server.url).responses.create(model="no-such-model", input="hi")
+
+
+def test_the_proxy_records_a_responses_call_and_strips_what_it_added(proxy, tokenizer):
+    mark = proxy.mark()
+    resp = client(proxy.url).responses.create(model=DENSE.name, input="Say hello.", max_output_tokens=6,
+                                              temperature=0)
+    (message,) = resp.output
+    assert all(v is None for v in training_fields(message).values())  # the proxy asked; the client did not
+    (capture,) = proxy.since(mark)
+    assert capture.endpoint == "/v1/responses" and capture.augmented == ["return_token_ids", "return_routed_experts"]
+    (choice,) = capture.choices
+    assert capture.prompt_token_ids.tolist() == chat_ids(tokenizer, [{"role": "user", "content": "Say hello."}])
+    assert choice.num_response_tokens == resp.usage.output_tokens
+    assert tokenizer.decode(choice.response_token_ids.tolist(), skip_special_tokens=True) == resp.output_text
+    assert choice.logprobs is not None and choice.logprobs.shape == (resp.usage.output_tokens,)
+    assert choice.finish_reason == ("length" if resp.status == "incomplete" else "stop")
+
+    # A client that asks for the token fields gets them, and the capture holds the same ones.
+    mark = proxy.mark()
+    asked = client(proxy.url).responses.create(model=DENSE.name, input="Say hello.", max_output_tokens=6,
+                                               temperature=0, extra_body=RL)
+    fields = training_fields(asked.output[-1])
+    (capture,) = proxy.since(mark)
+    assert capture.choices[0].response_token_ids.tolist() == fields["generation_token_ids"]
+    assert capture.choices[0].logprobs.tolist() == pytest.approx(fields["generation_log_probs"], abs=1e-6)
+
+
+def test_the_proxy_records_a_streamed_response(proxy, tokenizer):
+    kwargs = dict(model=DENSE.name, input="Say hello.", max_output_tokens=6, temperature=0)
+    mark = proxy.mark()
+    whole = client(proxy.url).responses.create(**kwargs)
+    events = list(client(proxy.url).responses.create(stream=True, **kwargs))
+    assert events[-1].type == "response.completed"
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert all(v is None for v in training_fields(final.output[-1]).values())  # stripped on the way
+    first, streamed = proxy.since(mark)
+    assert streamed.stream and streamed.endpoint == "/v1/responses"
+    assert streamed.prompt_token_ids.tolist() == first.prompt_token_ids.tolist()
+    assert streamed.choices[0].response_token_ids.tolist() == first.choices[0].response_token_ids.tolist()
+    assert tokenizer.decode(streamed.choices[0].response_token_ids.tolist(), skip_special_tokens=True) \
+        == final.output_text
+    assert streamed.timings.first_token_s is not None
+
+
+def test_our_response_is_a_gym_rollout_our_verifier_scores(echo, tmp_path):  # noqa: F811
+    """The model server's Response, as a Gym agent would hand it on, scored by the resources server."""
+    from test_resources_server import post, start_server
+
+    from rollmarket.contracts import TaskSpec
+
+    task = TaskSpec(task_id="calc", prompt="17 * 23?", tools=["calculator"], verifier="tool_use",
+                    verifier_args={"required": ["calculator"]})
+    params = {"input": "I will use the calculator.\n" + CALL_TEXT, "tools": [TOOL]}
+    resp = echo.responses.create(model=DENSE.name, **params, extra_body=RL)
+    resources = start_server(tmp_path / "tmp")
+    try:
+        # The agent's part: run the call on the resources server and append its output, as Gym's agents do.
+        response = resp.model_dump(mode="json")
+        call = resp.output[-1]
+        session = post(resources.url, "/seed_session", {"task": task.model_dump(mode="json")}).json()["session_id"]
+        result = post(resources.url, f"/{call.name}", json.loads(call.arguments), session=session).json()
+        assert result["content"] == "391"
+        response["output"].append({"type": "function_call_output", "call_id": call.call_id, "output": result["content"]})
+        body = {"responses_create_params": params, "response": response, "task": task.model_dump(mode="json")}
+        answered = post(resources.url, "/verify", body)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["reward"] == 1.0 and answered.headers["x-rollmarket-tool-calls"] == "response"
+        plain = echo.responses.create(model=DENSE.name, input="I will answer directly.")
+        body["response"] = plain.model_dump(mode="json")
+        assert not post(resources.url, "/verify", body).json()["verification"]["passed"]
+    finally:
+        resources.stop()
+
+
+def test_a_responses_output_goes_back_as_the_next_input(echo, server, tokenizer):  # noqa: F811
+    """The usual agent loop: the next request's input is the last input, the output items (token
+    fields and all) and the tool's output; it renders like the chat conversation it stands for,
+    the message and the call of one generation as one assistant turn."""
+    said = "I will use the calculator.\n" + CALL_TEXT
+    first = echo.responses.create(model=DENSE.name, input=[{"role": "user", "content": said}], tools=[TOOL],
+                                  extra_body=RL)
+    message, call = first.output
+    items = [{"role": "user", "content": said}, *(item.model_dump(mode="json") for item in first.output),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "391"}]
+    second = client(server.url).responses.create(model=DENSE.name, input=items, tools=[TOOL], max_output_tokens=2,
+                                                 extra_body=RL)
+    messages = [{"role": "user", "content": said},
+                {"role": "assistant", "content": "I will use the calculator.", "tool_calls": [{
+                    "id": call.call_id, "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "391"}]
+    assert training_fields(second.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, messages, [CALCULATOR])

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import served_model
+from helpers import ServiceProcess, rollmarket_command, served_model
 
 from rollmarket.contracts import TaskSpec
-from rollmarket.verifiers import VERIFIERS, VerifierConfigError, get_verifier, verify
+from rollmarket.localhost import free_port
+from rollmarket.verifiers import VERIFIERS, ResourcesClient, ResourcesError, VerifierConfigError, get_verifier, verify
 
 REPO = Path(__file__).resolve().parent.parent
 MOE = REPO / "models" / "tiny-moe"
@@ -265,9 +266,7 @@ def test_judge_numeric_verdicts_and_bad_config(stub):
     assert judge.requests == [judge.requests[0]]  # bad configs sent nothing
 
 
-def test_judge_endpoint_down_is_unreachable(tmp_path):
-    from rollmarket.localhost import free_port
-
+def test_judge_endpoint_down_is_unreachable():
     got = verify(judge_task(f"http://127.0.0.1:{free_port()}/v1", retries=1), "four")
     assert got.info["failure"] == "judge_unreachable" and got.info["attempts"] == 2
 
@@ -288,3 +287,29 @@ def test_judge_against_serve_model(tmp_path):
     assert "VERDICT:" not in got.info["judge_raw"] and got.info["failure"] == "unparseable", got.info
     assert got.info["judge_model"] == model and "What is 2+2?" in got.info["judge_prompt"]
     assert json.loads(failures.read_text().splitlines()[0])["judge_raw"] == got.info["judge_raw"]
+
+
+# -- the families over HTTP: `rollmarket verifier serve` finds them ----------------------------
+
+def test_families_through_the_resources_server(tmp_path, stub):
+    port = free_port()
+    server = ServiceProcess(rollmarket_command("verifier", "serve", "--port", str(port), "--log-level", "warning"),
+                            tmp_path / "resources.log", port).start(60)
+    judge = stub(reply="VERDICT: INCORRECT")
+    try:
+        with ResourcesClient(server.url) as client:
+            hang = client.verify(task("code", tests=ADD_TESTS, timeout_s=2), "while True:\n    pass")
+            good = client.verify(task("code", tests=ADD_TESTS), "def add(a, b):\n    return a + b")
+            choice = client.verify(task("multiple_choice", "B", options=OPTIONS), "(A) or (C)")
+            shaped = client.verify(task("instructions", constraints=[{"kind": "words", "max": 2}]), "one two three")
+            judged = client.verify(judge_task(judge.url), "five")
+            with pytest.raises(ResourcesError, match="options"):
+                client.verify(task("multiple_choice", "B"), "B")
+    finally:
+        server.stop()
+    assert (hang.reward, hang.info["failure"]) == (0.0, "timeout")
+    assert good.passed and [r["ok"] for r in good.info["results"]] == [True, True, True]
+    assert choice.info["failure"] == "ambiguous" and choice.info["candidates"] == ["A", "C"]
+    assert shaped.components == {"0:words": 0.0}
+    assert judged.info["failure"] == "judged_wrong" and judged.info["judge_raw"] == "VERDICT: INCORRECT"
+    assert len(judge.requests) == 1

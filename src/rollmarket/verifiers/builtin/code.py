@@ -9,7 +9,8 @@ One sandboxed run (python_eval's bubblewrap sandbox, standard library only, no n
 reports which tests passed. reward = tests passed / tests; passed = all of them.
 
 Typed failures (info.failure): `no_code`, `syntax_error` (the code does not compile; nothing
-ran), `crashed` (the code raised before any test ran: info.error), `tests_failed` (info.results:
+ran), `crashed` (the code raised before any test ran: info.error; MemoryError there is
+`resource_limit`), `tests_failed` (info.results:
 one {"test", "ok", "error"} per test), `timeout` (the wall-clock or CPU limit: the whole run is
 killed, reward 0), `resource_limit` (memory, output), `refused` (the sandbox refused an action),
 `no_report` (the run ended without its report: the code exited or killed itself early),
@@ -140,7 +141,9 @@ class CodeVerifier(Verifier):
                           why="the run ended without the test report (the code exited early)")
         body = json.loads(report)
         if body["error"] is not None:
-            return result(0.0, canonical=None, expected=shown, error=body["error"], failure=CodeFailure.crashed,
+            # MemoryError is the address-space limit biting inside the harness, not a bug of the code's own.
+            failure = CodeFailure.resource_limit if body["error"].startswith("MemoryError") else CodeFailure.crashed
+            return result(0.0, canonical=None, expected=shown, error=body["error"], failure=failure,
                           why=f"the code raised before the tests ran: {body['error'][:200]}")
         results = [{"test": test[:200], "ok": ok, "error": error} for test, (ok, error) in zip(expected, body["results"],
                                                                                                  strict=True)]

@@ -7,6 +7,9 @@ Expected values are written out by hand from the task, never taken from the veri
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -150,6 +153,19 @@ def test_code_reports_each_test_and_keeps_hosts_files(tmp_path):
         verify(task("code", tests=["assert ("]), "x = 1")
 
 
+def test_code_without_a_sandbox_is_unavailable_not_a_crash(tmp_path):
+    """Where bubblewrap is missing (PATH without it), the run is refused as `unavailable`, naming the fix."""
+    program = ("import json; from rollmarket.contracts import TaskSpec; from rollmarket.verifiers import verify; "
+               "t = TaskSpec(task_id='t', prompt='q', verifier='code', verifier_args={'tests': ['assert f() == 1']}); "
+               "print(json.dumps(verify(t, 'def f():\\n    return 1').model_dump(mode='json')))")
+    env = {k: v for k, v in os.environ.items() if k != "ROLLMARKET_UNSAFE_PYTHON_EVAL"}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                          env={**env, "PATH": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["reward"] == 0.0 and got["info"]["failure"] == "unavailable" and "bubblewrap" in got["info"]["why"]
+
+
 # -- math_verify beside math -------------------------------------------------------------------
 
 @pytest.mark.parametrize("gold, answer, passed, failure", [
@@ -163,6 +179,15 @@ def test_code_reports_each_test_and_keeps_hosts_files(tmp_path):
 def test_math_verify(gold, answer, passed, failure):
     got = verify(task("math_verify", gold), answer)
     assert got.passed is passed and got.info.get("failure") == failure, got.info
+
+
+def test_math_verify_reads_what_math_cannot():
+    """An interval: our sympy checker cannot even read it as an expected answer; math-verify compares it."""
+    answer = "The set is $\\boxed{[1,3)}$."
+    with pytest.raises(VerifierConfigError):
+        verify(task("math", "[1, 3)"), answer)
+    assert verify(task("math_verify", "$[1, 3)$"), answer).passed
+    assert not verify(task("math_verify", "$[1, 3]$"), answer).passed
 
 
 # -- llm_judge against a loopback stub ---------------------------------------------------------

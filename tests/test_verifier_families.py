@@ -153,6 +153,30 @@ def test_code_reports_each_test_and_keeps_hosts_files(tmp_path):
         verify(task("code", tests=["assert ("]), "x = 1")
 
 
+SUM_IO = [{"stdin": "2 3\n", "stdout": "5\n"}, {"stdin": "10 -4\n", "stdout": "6"}, {"stdin": "0 0", "stdout": "0\n"}]
+
+
+@pytest.mark.parametrize("answer, oks", [
+    ("a, b = map(int, input().split())\nprint(a + b)", [True, True, True]),
+    ("import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)  \nsys.exit(0)", [True, True, True]),
+    ("a, b = map(int, input().split())\nprint(abs(a) + abs(b))", [True, False, True]),
+    ("a, b = map(int, input().split())\nif a == 0:\n    raise SystemExit(3)\nprint(a + b)", [True, True, False]),
+])
+def test_code_stdin_stdout_cases(answer, oks):
+    got = verify(task("code", io=SUM_IO), answer)
+    assert [r["ok"] for r in got.info["results"]] == oks, got.info
+    assert [r["test"] for r in got.info["results"]] == ["io[0]", "io[1]", "io[2]"]
+    assert got.reward == pytest.approx(sum(oks) / 3) and got.passed is all(oks)
+
+
+def test_code_mixes_statements_and_cases():
+    answer = "def add(a, b):\n    return a + b\nif __name__ == '__main__':\n    print(add(*map(int, input().split())))"
+    got = verify(task("code", tests=ADD_TESTS, io=SUM_IO), answer)
+    assert got.passed and len(got.info["results"]) == 6, got.info
+    with pytest.raises(VerifierConfigError):
+        verify(task("code"), answer)
+
+
 def test_code_without_a_sandbox_is_unavailable_not_a_crash(tmp_path):
     """Where bubblewrap is missing (PATH without it), the run is refused as `unavailable`, naming the fix."""
     program = ("import json; from rollmarket.contracts import TaskSpec; from rollmarket.verifiers import verify; "

@@ -1,17 +1,19 @@
 """`code`: the answer's Python passes the task's unit tests, run in the python_eval sandbox.
 
-args: {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"], "setup": "",
-       "timeout_s": 10, "memory_mb": 512}
+args: {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"],
+       "io": [{"stdin": "2 3\\n", "stdout": "5\\n"}], "setup": "", "timeout_s": 10, "memory_mb": 512}
 
 The code is the last ```python (or bare ```) fenced block of the answer, else the whole answer.
 One sandboxed run (python_eval's bubblewrap sandbox, standard library only, no network) executes
-`setup`, then the code, then each test in the namespace the code left, each test on its own, and
-reports which tests passed. reward = tests passed / tests; passed = all of them.
+`setup`, then the code, then each test statement on its own in the namespace the code left; then,
+for each io case, `setup` and the code afresh as `__main__` reading the case's stdin, its printed
+lines compared with the case's stdout (trailing spaces and blank ends ignored; sys.exit(0) is a
+normal end). reward = tests and cases passed / their number; passed = all of them.
 
 Typed failures (info.failure): `no_code`, `syntax_error` (the code does not compile; nothing
-ran), `crashed` (the code raised before any test ran: info.error; MemoryError there is
-`resource_limit`), `tests_failed` (info.results:
-one {"test", "ok", "error"} per test), `timeout` (the wall-clock or CPU limit: the whole run is
+ran), `crashed` (the code raised before any test statement ran: info.error; MemoryError there is
+`resource_limit`), `tests_failed` (info.results: one {"test", "ok", "error"} per test, io cases
+named `io[i]`), `timeout` (the wall-clock or CPU limit: the whole run is
 killed, reward 0), `resource_limit` (memory, output), `refused` (the sandbox refused an action),
 `no_report` (the run ended without its report: the code exited or killed itself early),
 `unavailable` (the sandbox cannot run here; the message says how to fix it).
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ...agents.tool import ToolContext, ToolFailure
 from ...agents.tools.python_eval import MiB, PythonEval, SandboxLimits
@@ -59,33 +61,73 @@ class CodeFailure(StrEnum):
     unavailable = "unavailable"
 
 
+class IoCase(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stdin: str = Field("", description="What the program reads.")
+    stdout: str = Field(description="What it must print (compared line by line, trailing spaces ignored).")
+
+
 class CodeArgs(VerifierArgs):
-    tests: list[str] = Field(min_length=1, max_length=200, description="Python statements; a test passes when it "
-                             "runs without raising (assert ...).")
+    tests: list[str] = Field(default_factory=list, max_length=200, description="Python statements; a test passes "
+                             "when it runs without raising (assert ...).")
+    io: list[IoCase] = Field(default_factory=list, max_length=200, description="Program cases: the code runs as "
+                             "__main__ on stdin and must print stdout.")
     setup: str = Field("", description="Python run before the code (imports, helpers the tests use).")
     timeout_s: float = Field(10.0, gt=0, le=120, description="Wall-clock limit of the whole run.")
     memory_mb: int = Field(512, ge=64, le=8192, description="Address-space limit of the run.")
+
+    @model_validator(mode="after")
+    def _some(self) -> CodeArgs:
+        if not self.tests and not self.io:
+            raise ValueError("give tests, io cases or both")
+        return self
 
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 _HARNESS = """
-import json as _json, sys as _sys, traceback as _traceback
-_ns = {{"__name__": "__solution__"}}
+import io as _io, json as _json, sys as _sys, traceback as _traceback
+from contextlib import redirect_stdout as _redirect_stdout
+def _why(_exc):
+    return _traceback.format_exception_only(type(_exc), _exc)[-1].strip()[:300]
+def _lines(_text):
+    return [_line.rstrip() for _line in _text.strip().splitlines()]
 _results = []
 _error = None
-try:
-    exec(compile({setup!r}, "<setup>", "exec"), _ns)
-    exec(compile({code!r}, "<solution>", "exec"), _ns)
-except BaseException as _exc:
-    _error = _traceback.format_exception_only(type(_exc), _exc)[-1].strip()
+if {tests!r}:
+    _ns = {{"__name__": "__solution__"}}
+    try:
+        exec(compile({setup!r}, "<setup>", "exec"), _ns)
+        exec(compile({code!r}, "<solution>", "exec"), _ns)
+    except BaseException as _exc:
+        _error = _why(_exc)
+    if _error is None:
+        for _test in {tests!r}:
+            try:
+                exec(compile(_test, "<test>", "exec"), _ns)
+                _results.append([True, None])
+            except BaseException as _exc:
+                _results.append([False, _why(_exc)])
 if _error is None:
-    for _test in {tests!r}:
+    for _stdin, _want in {io!r}:
+        _out, _stdin_was = _io.StringIO(), _sys.stdin
+        _sys.stdin = _io.StringIO(_stdin)
         try:
-            exec(compile(_test, "<test>", "exec"), _ns)
-            _results.append([True, None])
+            with _redirect_stdout(_out):
+                _ns = {{"__name__": "__main__"}}
+                try:
+                    exec(compile({setup!r}, "<setup>", "exec"), _ns)
+                    exec(compile({code!r}, "<solution>", "exec"), _ns)
+                except SystemExit as _exit:  # a program may end with sys.exit(0)
+                    if _exit.code not in (None, 0):
+                        raise
+            _same = _lines(_out.getvalue()) == _lines(_want)
+            _results.append([_same, None if _same else "printed " + repr(_out.getvalue()[:200])])
         except BaseException as _exc:
-            _results.append([False, _traceback.format_exception_only(type(_exc), _exc)[-1].strip()[:300]])
+            _results.append([False, _why(_exc)])
+        finally:
+            _sys.stdin = _stdin_was
 _sys.stdout.flush()
 print()
 print({marker!r} + _json.dumps({{"error": _error, "results": _results}}))
@@ -107,13 +149,14 @@ class CodeVerifier(Verifier):
     Args = CodeArgs
 
     def expected(self, task: TaskSpec, args: CodeArgs) -> list[str]:
+        """The test names, in report order: each test statement, then `io[i]` for each program case."""
         for where, source in (("setup", args.setup), *((f"tests[{i}]", t) for i, t in enumerate(args.tests))):
             try:
                 ast.parse(source)
             except SyntaxError as exc:
                 raise VerifierConfigError(f"verifier 'code' on {task.task_id}: {where} is not Python: {exc.msg}") \
                     from None
-        return list(args.tests)
+        return [*args.tests, *(f"io[{i}]" for i in range(len(args.io)))]
 
     def score(self, task: TaskSpec, answer: str | None, tool_calls: Sequence[ToolCallRecord],
               args: CodeArgs, expected: list[str]) -> VerifyResult:
@@ -127,7 +170,8 @@ class CodeVerifier(Verifier):
             return result(0.0, canonical=None, expected=shown, why=f"the code does not compile: {exc.msg} "
                           f"(line {exc.lineno})", failure=CodeFailure.syntax_error)
         marker = f"@@rollmarket-code-report-{secrets.token_hex(8)}@@"
-        program = _HARNESS.format(setup=args.setup, code=code, tests=expected, marker=marker)
+        program = _HARNESS.format(setup=args.setup, code=code, tests=list(args.tests),
+                                  io=[(case.stdin, case.stdout) for case in args.io], marker=marker)
         tool = PythonEval(SandboxLimits(timeout_s=args.timeout_s, memory_bytes=args.memory_mb * MiB))
         try:
             printed = tool.run({"code": program}, ToolContext())

@@ -342,10 +342,16 @@ def test_judge_against_serve_model(tmp_path):
 # -- the families over HTTP: `rollmarket verifier serve` finds them ----------------------------
 
 def test_families_through_the_resources_server(tmp_path, stub):
+    judge, elsewhere = stub(reply="VERDICT: INCORRECT"), stub()
     port = free_port()
-    server = ServiceProcess(rollmarket_command("verifier", "serve", "--port", str(port), "--log-level", "warning"),
+    server = ServiceProcess(rollmarket_command("verifier", "serve", "--port", str(port), "--log-level", "warning",
+                                               "--judge-urls", f"http://127.0.0.1:1/v1, {judge.url}/"),
                             tmp_path / "resources.log", port).start(60)
-    judge = stub(reply="VERDICT: INCORRECT")
+    hidden = {"verifier": "llm_judge", "args": {"base_url": elsewhere.url, "model": "judge"}}
+    refused = [judge_task(elsewhere.url),  # a judge the operator did not allow
+               judge_task(judge.url, failures_file=str(tmp_path / "f.jsonl")),  # a file the task picks
+               task("compound", components=[{"name": "a", "verifier": "exact"},
+                                            {"name": "b", "verifier": "compound", "args": {"components": [hidden]}}])]
     try:
         with ResourcesClient(server.url) as client:
             hang = client.verify(task("code", tests=ADD_TESTS, timeout_s=2), "while True:\n    pass")
@@ -355,6 +361,9 @@ def test_families_through_the_resources_server(tmp_path, stub):
             judged = client.verify(judge_task(judge.url), "five")
             with pytest.raises(ResourcesError, match="options"):
                 client.verify(task("multiple_choice", "B"), "B")
+            for spec in refused:
+                with pytest.raises(ResourcesError, match="llm_judge"):
+                    client.verify(spec, "five")
     finally:
         server.stop()
     assert (hang.reward, hang.info["failure"]) == (0.0, "timeout")
@@ -362,4 +371,15 @@ def test_families_through_the_resources_server(tmp_path, stub):
     assert choice.info["failure"] == "ambiguous" and choice.info["candidates"] == ["A", "C"]
     assert shaped.components == {"0:words": 0.0}
     assert judged.info["failure"] == "judged_wrong" and judged.info["judge_raw"] == "VERDICT: INCORRECT"
-    assert len(judge.requests) == 1
+    assert len(judge.requests) == 1 and elsewhere.requests == [] and not (tmp_path / "f.jsonl").exists()
+
+
+def test_resources_server_refuses_judges_unless_allowed():
+    from fastapi.testclient import TestClient
+
+    from rollmarket.verifiers import create_resources_app
+
+    body = {"task": judge_task("http://127.0.0.1:9/v1").model_dump(mode="json"), "answer": "four"}
+    with TestClient(create_resources_app()) as client:
+        answer = client.post("/verify", json=body)
+    assert answer.status_code == 422 and "--judge-urls" in answer.text

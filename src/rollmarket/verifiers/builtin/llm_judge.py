@@ -102,6 +102,31 @@ def _reference(task: TaskSpec) -> str:
     return task.answer if isinstance(task.answer, str) else json.dumps(task.answer)
 
 
+def judge_args_of(verifier: Any, args: Any) -> list[dict[str, Any]]:
+    """Every llm_judge args dict in a verifier configuration: its own, and its compound parts' at any depth."""
+    if verifier == "llm_judge":
+        return [args if isinstance(args, dict) else {}]
+    if verifier != "compound" or not isinstance(args, dict) or not isinstance(args.get("components"), list):
+        return []
+    return [found for part in args["components"] if isinstance(part, dict)
+            for found in judge_args_of(part.get("verifier"), part.get("args") or {})]
+
+
+def check_judge_policy(task: TaskSpec, allowed_urls: Sequence[str]) -> None:
+    """VerifierConfigError unless every judge `task` would call is at one of `allowed_urls` and none
+    names a failures file: what a server that scores other people's tasks allows (the task picks
+    the URL the server sends the answer to and the file it appends to)."""
+    allowed = {url.rstrip("/") for url in allowed_urls}
+    for args in judge_args_of(task.verifier, task.verifier_args):
+        url = str(args.get("base_url", "")).rstrip("/")
+        if url not in allowed:
+            raise VerifierConfigError(f"verifier 'llm_judge' on {task.task_id}: judge {url!r} is not allowed "
+                                      "here; the server's operator allows judges with --judge-urls")
+        if args.get("failures_file") is not None:
+            raise VerifierConfigError(f"verifier 'llm_judge' on {task.task_id}: failures_file is for in-process "
+                                      "runs; over HTTP the result's info carries the same record")
+
+
 def _retryable(exc: Exception) -> bool:
     import openai
 

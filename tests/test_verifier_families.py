@@ -51,7 +51,9 @@ OPTIONS = ["Paris", "Lyon", "Nice", "New Paris"]
     ("Paris", 0.0, "wrong"),
     ("Either (A) or (B).", 0.0, "ambiguous"),
     ("Paris or Lyon", 0.0, "ambiguous"),
-    ("answer: F", 0.0, "out_of_range"),
+    ("F", 0.0, "out_of_range"),
+    ("The answer is a guess, I think.", 0.0, "no_choice"),
+    ("Answer: D. Not (E)", 0.0, "wrong"),
     ("no idea", 0.0, "no_choice"),
     ("   ", 0.0, "no_answer"),
 ])

@@ -6,20 +6,22 @@ its exact text ("Paris"). reward = 1 if the one option the answer picks is the e
 What the answer picks, first rule that finds something wins:
 
 1. the last \\boxed{} content, read as a letter or as an option's text;
-2. an explicit statement, the last one counting: "answer: B", "answer is (B)", "option B";
+2. an explicit statement, the last one counting: "answer: B", "answer is (B)", "option B" (in
+   text only the options' own letters, in upper case, are read);
 3. the whole answer is one letter, with optional brackets or a period: "B", "(B)", "B.";
 4. letters standing alone as options ("(B)", "B)", "B." at a word start): exactly one distinct;
 5. option texts quoted in full (case-insensitive, whole words): exactly one distinct.
 
 Typed failures (info.failure): `no_answer` (None or blank), `no_choice` (nothing picked),
 `ambiguous` (rules 4 or 5 found two or more different options: info.candidates lists them),
-`out_of_range` (a letter with no option), `wrong` (a clear pick, not the expected one).
+`out_of_range` (a whole answer that is a letter with no option), `wrong` (a clear pick, not the expected one).
 """
 
 from __future__ import annotations
 
 import re
 import string
+from functools import lru_cache
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -53,10 +55,17 @@ class MultipleChoiceArgs(VerifierArgs):
                                description="The options in order; the first is A.")
 
 
-_STATED = re.compile(r"(?:answer(?:\s+is)?|option|choice)\s*[:=]?\s*[(\[]?\s*([A-Z])\s*[)\].]?(?![A-Za-z])",
-                     re.IGNORECASE)
 _ALONE = re.compile(r"^\s*[(\[]?\s*([A-Za-z])\s*[)\].]?\s*$")
-_BRACKETED = re.compile(r"(?:(?<![A-Za-z])\(([A-Z])\)|(?<![A-Za-z(])([A-Z])[).](?=\s|$))")
+
+
+@lru_cache(maxsize=32)
+def _patterns(count: int) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """(explicit statements, bracketed letters) for options A up to the count-th letter. Only those
+    letters, in upper case, are read inside text: "the answer is a guess" and "I think" pick nothing."""
+    letter = f"([A-{LETTERS[count - 1]}])"
+    stated = re.compile(r"(?i:answer(?:\s+is)?|option|choice)\s*[:=]?\s*[(\[]?\s*" + letter + r"\s*[)\].]?(?![A-Za-z])")
+    bracketed = re.compile(r"(?:(?<![A-Za-z])\(" + letter + r"\)|(?<![A-Za-z(])" + letter + r"[).](?=\s|$))")
+    return stated, bracketed
 
 
 def _letter_or_text(span: str, options: list[str]) -> str | None:
@@ -74,12 +83,13 @@ def pick(answer: str, options: list[str]) -> tuple[str | None, list[str]]:
     boxed = last_boxed(answer)
     if boxed is not None and (letter := _letter_or_text(boxed, options)):
         return letter, []
-    stated = _STATED.findall(answer)
+    stated_pattern, bracketed_pattern = _patterns(len(options))
+    stated = stated_pattern.findall(answer)
     if stated:
         return stated[-1].upper(), []
     if (alone := _ALONE.match(answer)) is not None:
         return alone.group(1).upper(), []
-    bracketed = list(dict.fromkeys(a or b for a, b in _BRACKETED.findall(answer)))
+    bracketed = list(dict.fromkeys(a or b for a, b in bracketed_pattern.findall(answer)))
     if len(bracketed) == 1:
         return bracketed[0], []
     if len(bracketed) > 1:

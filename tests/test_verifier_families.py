@@ -281,6 +281,7 @@ def test_judge_keeps_prompt_and_raw_answer(stub):
     assert "What is 2+2?" in sent and "four" in sent and "Reference answer:\n4" in sent
     assert got.info["judge_prompt"] == sent and got.info["judge_raw"] == "Reasoning...\nVERDICT: CORRECT"
     assert got.info["attempts"] == 1
+    assert verify(judge_task(stub(reply="**Verdict:** correct").url), "4").passed
     wrong = verify(judge_task(stub(reply="VERDICT: INCORRECT").url), "five")
     assert wrong.reward == 0.0 and wrong.info["failure"] == "judged_wrong"
 

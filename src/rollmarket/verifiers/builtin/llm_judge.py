@@ -1,7 +1,7 @@
 """`llm_judge`: another model, behind any OpenAI-compatible endpoint, judges the answer.
 
 args: {"base_url": "http://127.0.0.1:8000/v1", "model": "judge", "prompt": "...{question}...{answer}...",
-       "pattern": "VERDICT:\\s*(CORRECT|INCORRECT)", "verdicts": {"CORRECT": 1.0, "INCORRECT": 0.0},
+       "pattern": "(?i)verdict\\W*(correct|incorrect)\\b", "verdicts": {"CORRECT": 1.0, "INCORRECT": 0.0},
        "retries": 3, "backoff_s": 0.5, "timeout_s": 60, "failures_file": "judge-failures.jsonl"}
 
 The prompt template is filled with {question} (the task's prompt, or its last user message),
@@ -71,7 +71,7 @@ class JudgeArgs(VerifierArgs):
     model: str = Field(min_length=1, description="The judge model's name at that endpoint.")
     prompt: str = Field(DEFAULT_PROMPT, min_length=1,
                         description="Template with {question}, {answer} and {reference}.")
-    pattern: str = Field(r"VERDICT:\s*(CORRECT|INCORRECT)",
+    pattern: str = Field(r"(?i)verdict\W*(correct|incorrect)\b",
                          description="Regex; the first group of its last match is the verdict.")
     verdicts: dict[str, float] = Field(default_factory=lambda: {"CORRECT": 1.0, "INCORRECT": 0.0},
                                        description="Verdict -> reward; empty: the verdict is the reward.")

@@ -57,7 +57,8 @@ def zero_with_why(result: VerifyResult) -> bool:
 
 
 def test_every_named_verifier_is_registered():
-    assert set(VERIFIERS) == {"exact", "numeric", "math", "json_schema", "tool_use", "compound"}
+    assert set(VERIFIERS) == {"exact", "numeric", "math", "json_schema", "tool_use", "compound", "code", "llm_judge",
+                              "multiple_choice", "instructions", "math_verify"}
 
 
 def test_unknown_verifier_and_bad_args_are_config_errors():

@@ -37,7 +37,8 @@ from .world import World, load_world
 SPLITS = ("train", "heldout")
 DATA_DIR = "data/suites"
 TOOL_NAMES = ("calculator", "python_eval", "read_file", "web_search")
-VERIFIER_NAMES = ("exact", "numeric", "math", "json_schema", "tool_use", "compound")
+VERIFIER_NAMES = ("exact", "numeric", "math", "json_schema", "tool_use", "compound", "code", "llm_judge",
+                  "multiple_choice", "instructions", "math_verify")
 
 NUMERIC_ARGS = {"rel_tol": 1e-6, "abs_tol": 1e-9}
 """What the tiny models were scored with (tasks.answers)."""

@@ -3,7 +3,8 @@
     from rollmarket.verifiers import verify, verify_trajectory
     verify(task, "The answer is 391.")          # VerifyResult(reward=1.0, passed=True, ...)
 
-Built-in verifiers: exact, numeric, math, json_schema, tool_use, compound (see docs/verifiers.md).
+Built-in verifiers: exact, numeric, math, json_schema, tool_use, compound, code, llm_judge,
+multiple_choice, instructions, math_verify (see docs/verifiers.md).
 `rollmarket verifier serve` runs them as a resources server (`create_resources_app`, imported
 lazily so that this package pulls in neither fastapi nor torch); `ResourcesClient` talks to it;
 `profile_rollouts` computes pass@k and majority@k over agent runs.

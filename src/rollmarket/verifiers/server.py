@@ -48,6 +48,7 @@ from ..contracts import (
     new_id,
 )
 from ..contracts.limits import MAX_KEY_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
+from .builtin.llm_judge import check_judge_policy
 from .gym import GymBodyError, GymVerifyRequest, final_answer, gym_answer, is_gym_body, read_gym_body, run_tool_calls
 from .sessions import (
     CALL_ID_HEADER,
@@ -300,6 +301,10 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         task = body.task or (session.task if session is not None else None)
         if task is None:
             raise Fault(ErrorCode.invalid_request, "task: required (the session has no task)")
+        try:
+            check_judge_policy(task, settings.judge_url_list)
+        except VerifierConfigError as exc:
+            raise Fault(ErrorCode.invalid_request, str(exc)) from None
         source = "request"
         if body.trajectory is not None:
             work, args = verify_trajectory, (task, body.trajectory)

@@ -24,3 +24,10 @@ class ResourcesSettings(BaseModel):
         5.0, gt=0, description="Wall-clock limit of one python_eval call (the process group is killed after it).")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
     reap_interval_s: float = Field(5.0, gt=0, description="How often expired sessions are looked for.")
+    judge_urls: str = Field("", description="Comma-separated base URLs that llm_judge tasks may call; "
+                            "empty: llm_judge tasks are refused.")
+
+    @property
+    def judge_url_list(self) -> tuple[str, ...]:
+        """judge_urls as a tuple, blanks dropped."""
+        return tuple(url.strip() for url in self.judge_urls.split(",") if url.strip())

@@ -1,0 +1,137 @@
+"""`multiple_choice`: the answer picks the expected option, by its letter or by its text.
+
+args: {"options": ["Paris", "Lyon", "Nice"]}; task.answer is the right option's letter ("A") or
+its exact text ("Paris"). reward = 1 if the one option the answer picks is the expected one.
+
+What the answer picks, first rule that finds something wins:
+
+1. the last \\boxed{} content, read as a letter or as an option's text;
+2. an explicit statement, the last one counting: "answer: B", "answer is (B)", "option B" (in
+   text only the options' own letters, in upper case, are read);
+3. the whole answer is one letter, with optional brackets or a period: "B", "(B)", "B.";
+4. letters standing alone as options ("(B)", "B)", "B." at a word start): exactly one distinct;
+5. option texts quoted in full (case-insensitive, whole words): exactly one distinct.
+
+Typed failures (info.failure): `no_answer` (None or blank), `no_choice` (nothing picked),
+`ambiguous` (rules 4 or 5 found two or more different options: info.candidates lists them),
+`out_of_range` (a whole answer that is a letter with no option), `wrong` (a clear pick, not the expected one).
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from functools import lru_cache
+from collections.abc import Sequence
+from enum import StrEnum
+
+from pydantic import Field
+
+from ...contracts import TaskSpec, ToolCallRecord, VerifyResult
+from ..extract import last_boxed
+from ..verifier import (
+    Verifier,
+    VerifierArgs,
+    VerifierConfigError,
+    register_verifier,
+    result,
+)
+
+LETTERS = string.ascii_uppercase
+
+
+class ChoiceFailure(StrEnum):
+    """Why a multiple-choice answer scored 0."""
+
+    no_answer = "no_answer"
+    no_choice = "no_choice"
+    ambiguous = "ambiguous"
+    out_of_range = "out_of_range"
+    wrong = "wrong"
+
+
+class MultipleChoiceArgs(VerifierArgs):
+    options: list[str] = Field(min_length=2, max_length=len(LETTERS),
+                               description="The options in order; the first is A.")
+
+
+_ALONE = re.compile(r"^\s*[(\[]?\s*([A-Za-z])\s*[)\].]?\s*$")
+
+
+@lru_cache(maxsize=32)
+def _patterns(count: int) -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """(explicit statements, bracketed letters) for options A up to the count-th letter. Only those
+    letters, in upper case, are read inside text: "the answer is a guess" and "I think" pick nothing."""
+    letter = f"([A-{LETTERS[count - 1]}])"
+    stated = re.compile(r"(?i:answer(?:\s+is)?|option|choice)\s*[:=]?\s*[(\[]?\s*" + letter + r"\s*[)\].]?(?![A-Za-z])")
+    bracketed = re.compile(r"(?:(?<![A-Za-z])\(" + letter + r"\)|(?<![A-Za-z(])" + letter + r"[).](?=\s|$))")
+    return stated, bracketed
+
+
+def _letter_or_text(span: str, options: list[str]) -> str | None:
+    """A letter when `span` is one letter (bracketed or not) or exactly one option's text; else None."""
+    alone = _ALONE.match(span)
+    if alone:
+        return alone.group(1).upper()
+    folded = " ".join(span.split()).strip(" .").casefold()
+    hits = [LETTERS[i] for i, option in enumerate(options) if " ".join(option.split()).casefold() == folded]
+    return hits[0] if len(hits) == 1 else None
+
+
+def pick(answer: str, options: list[str]) -> tuple[str | None, list[str]]:
+    """(the letter the answer picks or None, the distinct candidates seen when it is ambiguous)."""
+    boxed = last_boxed(answer)
+    if boxed is not None and (letter := _letter_or_text(boxed, options)):
+        return letter, []
+    stated_pattern, bracketed_pattern = _patterns(len(options))
+    stated = stated_pattern.findall(answer)
+    if stated:
+        return stated[-1].upper(), []
+    if (alone := _ALONE.match(answer)) is not None:
+        return alone.group(1).upper(), []
+    bracketed = list(dict.fromkeys(a or b for a, b in bracketed_pattern.findall(answer)))
+    if len(bracketed) == 1:
+        return bracketed[0], []
+    if len(bracketed) > 1:
+        return None, bracketed
+    folded = answer.casefold()
+    quoted = [LETTERS[i] for i, option in enumerate(options)
+              if re.search(r"(?<!\w)" + re.escape(" ".join(option.split()).casefold()) + r"(?!\w)", folded)]
+    if len(quoted) == 1:
+        return quoted[0], []
+    return None, quoted
+
+
+@register_verifier
+class MultipleChoiceVerifier(Verifier):
+    name = "multiple_choice"
+    Args = MultipleChoiceArgs
+
+    def expected(self, task: TaskSpec, args: MultipleChoiceArgs) -> str:
+        want = task.answer
+        if isinstance(want, str):
+            letter = _letter_or_text(want, args.options)
+            if letter is not None and LETTERS.index(letter) < len(args.options):
+                return letter
+        raise VerifierConfigError(f"verifier 'multiple_choice' on {task.task_id}: expected answer {want!r} is "
+                                  f"neither a letter A-{LETTERS[len(args.options) - 1]} nor one option's text")
+
+    def score(self, task: TaskSpec, answer: str | None, tool_calls: Sequence[ToolCallRecord],
+              args: MultipleChoiceArgs, expected: str) -> VerifyResult:
+        if answer is None or not answer.strip():
+            return result(0.0, canonical=None, expected=expected, why="no answer", failure=ChoiceFailure.no_answer)
+        letter, candidates = pick(answer, args.options)
+        if letter is None and len(candidates) > 1:
+            return result(0.0, canonical=None, expected=expected, candidates=candidates,
+                          why=f"the answer names several options ({', '.join(candidates)})",
+                          failure=ChoiceFailure.ambiguous)
+        if letter is None:
+            return result(0.0, canonical=None, expected=expected, why="the answer picks no option",
+                          failure=ChoiceFailure.no_choice)
+        if LETTERS.index(letter) >= len(args.options):
+            return result(0.0, canonical=letter, expected=expected, failure=ChoiceFailure.out_of_range,
+                          why=f"there is no option {letter} (options A-{LETTERS[len(args.options) - 1]})")
+        if letter == expected:
+            return result(1.0, canonical=letter, expected=expected)
+        return result(0.0, canonical=letter, expected=expected, why=f"picked {letter}, not {expected}",
+                      failure=ChoiceFailure.wrong)

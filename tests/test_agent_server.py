@@ -109,6 +109,8 @@ def test_bad_bodies_are_typed_errors_and_change_nothing(stack):
         # The resources server refuses a tool it does not have: refused before the model is called.
         (json.dumps({"task": {**secret_task(0).model_dump(mode="json"), "tools": ["no_such_tool"]}}).encode(),
          422, "invalid_request"),
+        (json.dumps({"task": {**secret_task(0).model_dump(mode="json"), "verifier": "no_such_verifier"}}).encode(),
+         422, "invalid_request"),
         (json.dumps({"responses_create_params": {"input": 3}, "verifier": "exact"}).encode(), 422, "invalid_request"),
     ]
     for body, status, code in bad:
@@ -125,6 +127,18 @@ def test_an_upstream_failure_is_a_502(stack):
     assert answer.status_code == 502
     error = answer.json()["error"]
     assert error["code"] == "upstream_error" and "scripted failure" in error["message"]
+    wait_until("the run's session closed", lambda: sessions(resources) == 0, timeout=30)
+
+
+def test_a_model_server_that_is_down_is_a_502(stack, tmp_path):
+    _, resources, _ = stack
+    dead = agent_server(tmp_path, f"http://127.0.0.1:{free_port()}/v1", resources.url)
+    try:
+        answer = httpx.post(dead.url + "/run", json={"task": secret_task(0).model_dump(mode="json")}, timeout=60)
+    finally:
+        dead.stop()
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_error"
+    assert "model server" in answer.json()["error"]["message"]
     wait_until("the run's session closed", lambda: sessions(resources) == 0, timeout=30)
 
 
@@ -175,42 +189,66 @@ def test_the_single_call_loop_offers_no_tools_and_verifies(stack, tmp_path):
 @pytest.mark.slow
 def test_a_worker_runs_its_jobs_through_an_agent_server(tmp_path):
     """serve-model + verifier serve + agent serve + exchange + `rollmarket worker --agent-url`: the
-    exchange accepts the group, whose tokens and experts are those of the agent server's runs."""
+    exchange accepts the group, whose tokens and experts are those of the agent server's runs. A
+    worker whose agent server samples from another model submits nothing."""
     from test_worker import MOE, jobs, policy
 
     from rollmarket.verifiers import verify_trajectory
 
     exchange = ExchangeProcess(tmp_path / "ex.db", tmp_path / "ex.log").start()
     resources = resources_server(tmp_path)
+    port = free_port()
+    scripted = start([sys.executable, str(SCRIPTED), "--port", str(port)], tmp_path / "scripted.log", port)
     try:
         trainer = exchange.trainer()
         trainer.publish_policy(policy(0, MOE))
-        [job] = jobs(0, 1, max_tokens=16)
-        trainer.enqueue([job])
+        first, second = jobs(0, 2, max_tokens=16)
+        trainer.enqueue([first])
         with served_model(MOE, tmp_path / "serve.log") as model_url:
             agent = agent_server(tmp_path, model_url, resources.url)
             try:
                 done = subprocess.run(
                     rollmarket_command("worker", "--model-url", model_url, "--agent-url", agent.url,
                                        "--exchange", exchange.url, "--max-groups", "1",
-                                       "--rollouts", str(tmp_path / "runs.jsonl"),
-                                       "--events", str(tmp_path / "events.jsonl")),
+                                       "--rollouts", str(tmp_path / "runs.jsonl")),
                     capture_output=True, text=True, timeout=300, cwd=ROOT)
             finally:
                 agent.stop()
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        [served] = trainer.fetch(limit=5).groups
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            [served] = trainer.fetch(limit=5).groups
+
+            # The same worker on an agent server that samples from another model server.
+            trainer.enqueue([second])
+            foreign = agent_server(tmp_path, scripted.url + "/v1", resources.url)
+            events = tmp_path / "foreign-events.jsonl"
+            worker = subprocess.Popen(
+                rollmarket_command("worker", "--model-url", model_url, "--agent-url", foreign.url,
+                                   "--exchange", exchange.url, "--events", str(events)),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            try:
+                wait_until("the foreign runs' job failed", lambda: events.exists() and any(
+                    json.loads(line)["event"] == "failed" for line in events.read_text().splitlines()), timeout=120)
+            finally:
+                worker.terminate()
+                worker.wait(30)
+                foreign.stop()
+        assert trainer.fetch(limit=5).groups == []
     finally:
+        scripted.stop()
         resources.stop()
         exchange.stop()
+    failed = [json.loads(line) for line in events.read_text().splitlines() if '"failed"' in line]
+    assert "runs sampled from scripted" in failed[0]["message"]
+    assert not any(json.loads(line)["event"] == "submitted" for line in events.read_text().splitlines())
+
     group = served.group
     runs = [AgentTrajectory.model_validate_json(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert len(runs) == len(group.trajectories) == job.group_size
-    assert group.job_id == job.job_id and group.policy_version == 0
+    assert len(runs) == len(group.trajectories) == first.group_size
+    assert group.job_id == first.job_id and group.policy_version == 0
     assert group.checkpoint_digest == policy(0, MOE).checkpoint_digest and group.engine_name != ""
     for run_, trajectory in zip(sorted(runs, key=lambda r: r.sample_index), group.trajectories):
         # The rewards are the verifier's on each run, computed again here.
-        assert trajectory.reward == verify_trajectory(job.task, run_).reward
+        assert trajectory.reward == verify_trajectory(first.task, run_).reward
         response = [t for s in run_.steps for t in s.response_token_ids.tolist()]
         tokens = trajectory.response_token_ids.tolist()
         mask = [1] * len(tokens) if trajectory.action_mask is None else trajectory.action_mask.tolist()

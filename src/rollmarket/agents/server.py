@@ -45,7 +45,7 @@ from ..verifiers.client import ResourcesClient, ResourcesError
 from ..verifiers.server import Fault
 from .gym import GYM_KEY, GymBodyError, gym_response, gym_task, is_gym_body
 from .loop import Agent, AgentSettings, task_messages
-from .model import ChatModel, Sampling
+from .model import ChatModel, ModelCallError, Sampling
 from .toolbox import RemoteToolbox
 from .tools import UnknownTool
 
@@ -124,6 +124,8 @@ class AgentRunner:
                 raise Fault(ErrorCode.invalid_request, f"the resources server refused the task: {exc.message}",
                             {"upstream_status": exc.status, "upstream_code": exc.code}) from None
             raise Upstream(f"resources server {self.settings.resources_url}: {exc}") from None
+        except ModelCallError as exc:  # the model server never answered even /v1/models
+            raise Upstream(f"model server {self.settings.model_url}: {exc}") from None
         return run.model_copy(update={"verification": verdict})
 
     def close(self) -> None:

@@ -171,6 +171,13 @@ def test_a_gym_run_request_gets_a_gym_verify_response(stack):
     # The same request asking for rollmarket's shape gets only ours.
     plain = httpx.post(agent.url + "/run", params={"shape": "rollmarket"}, json=body, timeout=60).json()
     assert set(plain) == {"trajectory", "reward", "loop"} and plain["reward"] == 1.0
+    # And a rollmarket request asking for Gym's shape gets its task written as a Gym row.
+    task = secret_task(5)
+    gym = httpx.post(agent.url + "/run", params={"shape": "gym"}, json={"task": task.model_dump(mode="json")},
+                     timeout=60).json()
+    assert gym["responses_create_params"]["input"] == [{"role": "user", "content": task.prompt}]
+    assert gym["task_id"] == task.task_id and gym["reward"] == gym["rollmarket"]["reward"] == 1.0
+    assert gym["response"]["output"][-1]["content"][0]["text"] == "word-5"
 
 
 def test_the_single_call_loop_offers_no_tools_and_verifies(stack, tmp_path):

@@ -22,11 +22,13 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..bodies import BodyError, json_body, parse_json, read_body
@@ -85,6 +87,18 @@ class RunResponse(Record):
                                                     "and its verification.")
     reward: float
     loop: Loop
+
+
+class GymRunResponse(BaseModel):
+    """Answer of POST /run in NeMo Gym's shape (its BaseVerifyResponse): the request's fields too."""
+
+    model_config = ConfigDict(extra="allow")
+
+    responses_create_params: dict[str, Any]
+    response: dict[str, Any] = Field(description="A Responses API object; model items carry prompt_token_ids, "
+                                                 "generation_token_ids and generation_log_probs.")
+    reward: float
+    rollmarket: RunResponse = Field(description="The same run in rollmarket's shape.")
 
 
 class Upstream(Exception):
@@ -163,6 +177,19 @@ def create_agent_app(settings: AgentServerSettings, runner: AgentRunner | None =
         body = ErrorBody(error=ErrorDetail(code=ErrorCode.upstream_error, message=str(exc)))
         return JSONResponse(body.model_dump(mode="json"), status_code=502)
 
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in exc.errors()[:20]]
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        return Fault(ErrorCode.invalid_request, f"{'.'.join(first['loc'])}: {first['msg']}",
+                     {"errors": errors}).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
+        body = ErrorBody(error=ErrorDetail(code=code, message=str(exc.detail)))
+        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
+
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
@@ -174,7 +201,11 @@ def create_agent_app(settings: AgentServerSettings, runner: AgentRunner | None =
         return JSONResponse({"status": "ok", "version": __version__, "time": time.time(), "loop": settings.loop,
                              "model_url": settings.model_url, "resources_url": settings.resources_url})
 
-    @app.post("/run", response_model=RunResponse, openapi_extra=json_body(RunRequest))
+    @app.post("/run", response_model=RunResponse | GymRunResponse, openapi_extra=json_body(RunRequest),
+              responses={status: {"model": ErrorBody, "description": text} for status, text in (
+                  (400, "Malformed body"), (413, "Body too large"),
+                  (422, "Invalid request, or a task the resources server refuses"),
+                  (502, "The model or resources server failed"))})
     async def run(request: Request, shape: Literal["gym", "rollmarket"] | None = None) -> Response:
         """Run the loop on one task and verify it; the answer's shape is the request's unless `shape` says."""
         try:

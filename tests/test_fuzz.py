@@ -1,4 +1,4 @@
-"""Every route of the four HTTP services, fuzzed from their OpenAPI documents (issue 12, section 2).
+"""Every route of the five HTTP services, fuzzed from their OpenAPI documents (issue 12, section 2).
 
 The exchange, the capture proxy (in front of the real model server), the model server
 (`serve-model models/tiny-moe`) and the resources server (`verifier serve`) run as real processes
@@ -23,6 +23,7 @@ import http.client
 import http.cookiejar
 import json
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -423,6 +424,65 @@ def test_proxy_keeps_the_connection_after_errors(proxy_target):
 def test_exchange_keeps_the_connection_after_errors(exchange_target):
     auth = {"authorization": f"Bearer {TRAINER_TOKEN}"}
     assert_keeps_serving(exchange_target.url, "/v1/jobs", ("GET", "/v1/pool", None, auth), exchange_error)
+
+
+# == the agent server ============================================================================
+
+@pytest.fixture(scope="module")
+def agent_stack(workdir):
+    """`agent serve` between tests/scripted_model.py and a resources server (all real processes)."""
+    started = []
+    try:
+        port = free_port()
+        model = ServiceProcess([sys.executable, str(ROOT / "tests" / "scripted_model.py"), "--port", str(port)],
+                               workdir / "scripted.log", port, cwd=ROOT).start(60)
+        started.append(model)
+        port = free_port()
+        resources = ServiceProcess(rollmarket_command("verifier", "serve", "--port", str(port), "--log-level",
+                                                      "warning"), workdir / "agent-resources.log", port,
+                                   cwd=ROOT).start(60)
+        started.append(resources)
+        port = free_port()
+        agent = ServiceProcess(rollmarket_command("agent", "serve", "--model-url", model.url + "/v1",
+                                                  "--resources-url", resources.url, "--port", str(port),
+                                                  "--log-level", "warning"), workdir / "agent.log", port,
+                               cwd=ROOT).start(60)
+        started.append(agent)
+        yield model, resources, agent
+    finally:
+        for service in reversed(started):
+            service.stop()
+
+
+class AgentTarget(Target):
+    """The agent server's effects: completions asked of the model server, sessions left open."""
+
+    def __init__(self, model: ServiceProcess, resources: ServiceProcess, agent: ServiceProcess):
+        super().__init__(agent.url, exchange_error)
+        self.model_url, self.resources_url = model.url, resources.url
+
+    def snapshot(self) -> Any:
+        return {"completions": httpx.get(self.model_url + "/stats").json()["completions"],
+                "sessions": httpx.get(self.resources_url + "/healthz").json()["sessions"]}
+
+
+@pytest.fixture(scope="module")
+def agent_schema(agent_stack):
+    return load_schema(agent_stack[2].url)
+
+
+@pytest.fixture(scope="module")
+def agent_target(agent_stack) -> AgentTarget:
+    return AgentTarget(*agent_stack)
+
+
+agent_fuzz = schemathesis.pytest.from_fixture("agent_schema")
+
+
+@agent_fuzz.parametrize()
+@pytest.mark.timeout(FUZZ_TIMEOUT_S)
+def test_fuzz_agent_server(case, agent_target):
+    agent_target.exercise(case)
 
 
 # == regressions: one request per 5xx the fuzzing found (each answered 500 before) ===============

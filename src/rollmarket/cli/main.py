@@ -35,6 +35,7 @@ class LazyCommand:
 
 
 COMMANDS: dict[str, LazyCommand] = {
+    "agent": LazyCommand("rollmarket.cli.agent", "agent", "Serve the agent loop over HTTP."),
     "campaign": LazyCommand("rollmarket.cli.campaign", "campaign",
                             "Run conditions × seeds from one TOML file, each run a `rollmarket train --local` process."),
     "captures": LazyCommand("rollmarket.cli.proxy", "captures", "Read what a capture proxy recorded."),

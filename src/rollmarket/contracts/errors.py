@@ -33,6 +33,8 @@ class ErrorCode(str, Enum):
     lease_not_active = "lease_not_active"
     """The lease was already submitted, failed, expired or abandoned (409)."""
     internal = "internal"
+    upstream_error = "upstream_error"
+    """A server this one depends on (a model server, a resources server) failed or could not be reached (502)."""
     store_unavailable = "store_unavailable"
     """The exchange's database could not be reached, or went away mid-write (503): try again, here
     or on another replica; an idempotent call finds what an earlier try wrote."""

@@ -61,6 +61,9 @@ class WorkerSettings(BaseModel):
     resources_url: str | None = Field(
         None, description="A resources server (`rollmarket verifier serve`) for tools and /verify; "
                           "default: tools and verifiers in this process.")
+    agent_url: str | None = Field(
+        None, description="An agent server (`rollmarket agent serve`) that runs each sample (POST /run) instead "
+                          "of the loop in this process; it must sample from this worker's model server.")
     lease_wait_s: float = Field(2.0, ge=0, description="Long-poll time of a lease request.")
     heartbeat_s: float = Field(1.0, gt=0, description="Seconds between heartbeats.")
     price: float = Field(1.0, ge=0, description="Relative price per 1M tokens (dispatch preference).")
@@ -154,6 +157,10 @@ class AgentWorker:
         self._rollouts_lock = threading.Lock()
 
     def _make_agent(self):
+        if self.settings.agent_url:
+            from ..agents.remote import RemoteAgent
+
+            return RemoteAgent(self.settings.agent_url)
         return self._agent_cls(self._chat_model(self.host.url, self.identity.model_name), self.toolbox,
                                self._agent_settings, verify=self._verify)
 
@@ -228,6 +235,11 @@ class AgentWorker:
             self._fail(lease.lease_id, FailureKind.engine_error, f"{type(exc).__name__}: {exc}", retryable=True)
             return
         self._save_runs(runs, lease.lease_id, lease.policy_version)
+        foreign = sorted({r.model for r in runs if r.steps and r.model != self.identity.model_name})
+        if foreign:  # an agent server on another model server: its tokens are not this worker's policy
+            self._fail(lease.lease_id, FailureKind.other, f"runs sampled from {', '.join(foreign)}, not this "
+                       f"worker's model {self.identity.model_name}", retryable=True)
+            return
         if should_stop():
             self._fail(lease.lease_id, FailureKind.cancelled, "stopped while running", retryable=True)
             return

@@ -947,7 +947,8 @@ def decide(r: MetricComparison, settings: StatsSettings, tests: int) -> None:
         r.verdict = Verdict.inconclusive.value
         r.reason = (f"the {r.unit} cannot decide: with {n} {r.unit} the smallest possible two-sided sign-flip p is "
                     f"2/2^{n} = {_pfmt(flip['floor'])}" + (f" (×{tests} under Holm)" if tests > 1 else "")
-                    + f", not below α = {alpha:g}; need ≥ {need} {r.unit}. {stated}")
+                    + f", not below α = {alpha:g}; {'run' if r.unit == 'seeds' else 'evaluate on'} ≥ {need} {r.unit}. "
+                      f"{stated}")
         return
     if r.blockers:
         r.verdict = Verdict.inconclusive.value

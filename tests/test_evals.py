@@ -102,6 +102,11 @@ def test_reverify_through_a_resources_server_matches_the_local_family(stored, tm
         cli("eval", "reverify", str(runs), "--tasks", str(tasks), "--verifier", server.url, "--family", "numeric",
             "--out", str(out))
         check_reverified(out)
+        # A family the tasks do not fit: the server answers 400, the command one error line, no file.
+        bad = tmp_path / "bad.jsonl"
+        done = cli("eval", "reverify", str(runs), "--tasks", str(tasks), "--verifier", server.url, "--family",
+                   "json_schema", "--out", str(bad), ok=False)
+        assert "schema: Field required" in done.stderr and not bad.exists()
     finally:
         server.stop()
 

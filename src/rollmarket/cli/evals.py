@@ -5,6 +5,7 @@ tasks/curriculum.py do the work; this prints and writes."""
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import click
@@ -26,7 +27,7 @@ def eval_group() -> None:
     """Score stored rollouts again and compare two models' evals task by task."""
 
 
-def _scorer(verifier: str, family: str | None, args: dict | None):
+def _scorer(verifier: str, family: str | None, args: dict | None, stack: ExitStack):
     """(the scorer, its label, a check of one retargeted task or None): a resources server for a
     URL (scoring with `family`, else each task's own verifier), else the local family named."""
     from ..research.evals import retarget
@@ -34,11 +35,10 @@ def _scorer(verifier: str, family: str | None, args: dict | None):
     if verifier.startswith(("http://", "https://")):
         from ..verifiers.client import ResourcesClient
 
-        def score(task, run):
-            with ResourcesClient(verifier) as client:  # a client per run: nothing carries over between runs
-                return client.verify_trajectory(retarget(task, family, args), run)
-
-        return score, verifier + (f" ({family})" if family else ""), None
+        # No session is seeded: /verify scores the task and trajectory in the body and keeps nothing.
+        client = stack.enter_context(ResourcesClient(verifier))
+        return ((lambda task, run: client.verify_trajectory(retarget(task, family, args), run)),
+                verifier + (f" ({family})" if family else ""), None)
     if family is not None:
         raise click.BadParameter("--family goes with a resources server's URL in --verifier", param_hint="--family")
     from ..verifiers.verifier import VERIFIERS, verify_trajectory
@@ -89,20 +89,21 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
     runs, problems = read_rollouts(rollouts)
     for problem in problems[:5]:
         console.print(f"[yellow]skipped[/] {rollouts}: {problem}", highlight=False)
-    score, label, check = _scorer(verifier, family, args)
-    if check is not None:
-        used = {run.task_id for run in runs}
-        for task in tasks:
-            if task.task_id in used:
-                try:
-                    check(task)
-                except VerifierConfigError as exc:
-                    raise click.BadParameter(f"task {task.task_id}: {exc}", param_hint="--verifier") from None
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        bar = progress.add_task(f"reverify with {label}", total=len(runs))
-        rescored, report = reverify(runs, tasks, score, verifier=label, source=str(rollouts),
-                                    on_run=lambda: progress.advance(bar))
+    with ExitStack() as stack:
+        score, label, check = _scorer(verifier, family, args, stack)
+        if check is not None:
+            used = {run.task_id for run in runs}
+            for task in tasks:
+                if task.task_id in used:
+                    try:
+                        check(task)
+                    except VerifierConfigError as exc:
+                        raise click.BadParameter(f"task {task.task_id}: {exc}", param_hint="--verifier") from None
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            bar = progress.add_task(f"reverify with {label}", total=len(runs))
+            rescored, report = reverify(runs, tasks, score, verifier=label, source=str(rollouts),
+                                        on_run=lambda: progress.advance(bar))
     atomic_write_text(out, "".join(run.model_dump_json() + "\n" for run in rescored))
     report_path = out.with_name(out.name.removesuffix(".jsonl") + ".reverify.json")
     atomic_write_text(report_path, reverify_json(report))

@@ -49,9 +49,9 @@ class CurriculumTask(Record):
     """A kept task: its pass@1, samples and sampling weight (the weights sum to 1)."""
 
     task_id: str
-    pass_at_1: float
-    n: int
-    weight: float
+    pass_at_1: float = Field(ge=0, le=1)
+    n: int = Field(ge=1)
+    weight: float = Field(gt=0, le=1)
 
 
 class Curriculum(Record):
@@ -59,7 +59,7 @@ class Curriculum(Record):
 
     source: str | None = Field(default=None, description="The profile (or rollouts) it was picked from.")
     settings: CurriculumSettings
-    tasks: list[CurriculumTask] = Field(description="The kept tasks, by task id.")
+    tasks: list[CurriculumTask] = Field(min_length=1, description="The kept tasks, by task id.")
     solved: list[str] = Field(description="Dropped: pass@1 >= max_pass.")
     hopeless: list[str] = Field(description="Dropped: pass@1 <= min_pass.")
     unmeasured: list[str] = Field(description="Dropped: fewer than min_samples samples.")

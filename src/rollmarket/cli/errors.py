@@ -83,6 +83,7 @@ EXPECTED: tuple[Expected, ...] = (
     Expected("rollmarket.research.stats", "UnknownCondition", USAGE),
     Expected("rollmarket.research.stats", "BadSettings", USAGE),
     Expected("rollmarket.research.stats", "StatsError", FAILURE, "see docs/statistics.md"),
+    Expected("rollmarket.tasks.curriculum", "CurriculumError", USAGE),
     Expected("httpx", "TransportError", FAILURE, "is the server running at that address?"),
 )
 

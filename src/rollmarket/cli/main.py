@@ -43,6 +43,9 @@ COMMANDS: dict[str, LazyCommand] = {
                            "Run every task K times against a model server and write one AgentTrajectory per line."),
     "compare": LazyCommand("rollmarket.cli.stats", "compare_command",
                            "Compare any training runs with others, paired by seed, and give verdicts."),
+    "curriculum": LazyCommand("rollmarket.cli.evals", "curriculum_command",
+                              "Pick training tasks from a reward profile: drop the solved and the hopeless, keep "
+                              "the learnable."),
     "dashboard": LazyCommand("rollmarket.cli.dashboard", "dashboard",
                              "The dashboard: every run, training curves and rollouts, campaigns, the observatory, "
                              "the marketplace and the open questions."),
@@ -54,6 +57,8 @@ COMMANDS: dict[str, LazyCommand] = {
                         "intervals."),
     "diff": LazyCommand("rollmarket.cli.diff", "diff",
                         "Two training runs side by side: the settings that differ and their headline metrics."),
+    "eval": LazyCommand("rollmarket.cli.evals", "eval_group",
+                        "Score stored rollouts again and compare two models' evals task by task."),
     "exchange": LazyCommand("rollmarket.cli.exchange", "exchange", "Run and inspect a rollout exchange."),
     "explain": LazyCommand("rollmarket.cli.explain", "explain",
                            "A dry run of a train config or campaign file: what would run, jobs, tokens, evaluation "

@@ -748,6 +748,8 @@ class MetricComparison:
     equivalence: dict | None = None
     two_way_bootstrap: dict | None = None
     samples_per_task: int | None = None
+    unit: str = "seeds"
+    """What was paired: seeds (training runs) or tasks (`rollmarket eval compare`)."""
     verdict: str = Verdict.inconclusive.value
     reason: str = ""
     evidence: dict = field(default_factory=dict)
@@ -815,43 +817,29 @@ def compare(baseline: Sequence[Run], candidate: Sequence[Run], metrics: Sequence
                               f"exact test to be able to decide)")
     results = [_compare_metric([base[s] for s in seeds], [cand[s] for s in seeds], seeds, metric, settings,
                                len(metrics), same_runs) for metric in metrics]
-    for result, p in zip(results, holm([r.sign_flip["p"] for r in results])):
-        result.p_holm = p
-    with_margin = [r for r in results if r.equivalence is not None]
-    for result, p in zip(with_margin, holm([r.equivalence["p"] for r in with_margin])):
-        result.equivalence["p_holm"] = p
-    for result in results:
-        _decide(result, settings, len(metrics))
+    judge(results, settings)
     return Comparison(baseline=baseline_name, candidate=candidate_name, metrics=results, dropped_seeds=dropped)
 
 
-def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metric, settings: StatsSettings,
-                    tests: int, same_runs: bool = False) -> MetricComparison:
+def paired_comparison(metric: str, higher_is_better: bool, units: Sequence, baseline: Sequence[float],
+                      candidate: Sequence[float], settings: StatsSettings, tests: int, *,
+                      margin: float | None = None, unit: str = "seeds") -> MetricComparison:
+    """The paired numbers of one metric, before the verdict: the sign-flip test, the t interval,
+    d_z, power and TOST of candidate − baseline over `units` (seeds for training runs, tasks for
+    `rollmarket eval compare`): one implementation for both."""
     alpha = settings.alpha
-    b_vals = [metric_value(r, metric) for r in base]
-    c_vals = [metric_value(r, metric) for r in cand]
-    b_N = np.array([v.value for v in b_vals])
-    c_N = np.array([v.value for v in c_vals])
+    b_N, c_N = np.asarray(baseline, dtype=float), np.asarray(candidate, dtype=float)
     d_N = c_N - b_N
     n = d_N.size
     sd = _sd(d_N)
     result = MetricComparison(
-        metric=metric.spec, higher_is_better=metric.higher_is_better, seeds=list(seeds),
+        metric=metric, higher_is_better=higher_is_better, seeds=list(units),
         baseline_values=b_N.tolist(), candidate_values=c_N.tolist(), differences=d_N.tolist(), n_seeds=n,
         baseline_mean=float(b_N.mean()), candidate_mean=float(c_N.mean()), mean_difference=float(d_N.mean()),
-        sd_difference=sd,
-        steps={"baseline": [v.step if v.span is None else list(v.span) for v in b_vals],
-               "candidate": [v.step if v.span is None else list(v.span) for v in c_vals]},
+        sd_difference=sd, steps={}, unit=unit,
         sign_flip=asdict(sign_flip_test(d_N, exact_max=settings.exact_max_seeds, draws=settings.draws,
                                         seed=settings.seed)),
     )
-    for side in ((b_vals, c_vals) if same_runs else (b_vals + c_vals,)):
-        ends = {v.step if v.span is None else v.span for v in side}
-        if len(ends) <= 1:
-            continue
-        result.blockers.append(
-            f"runs end at different steps ({', '.join(str(e) for e in sorted(ends, key=str))}): unfinished runs? "
-            f"finish them or name a step ({metric.key}@STEP)")
     result.t_interval = t_interval(d_N, 1 - alpha)
     result.t_test_p = t_test_p(d_N)
     dz, lo, hi = cohens_dz(d_N, 1 - alpha)
@@ -870,10 +858,27 @@ def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metri
         power["target_effect"] = settings.target_effect
         power["seeds_for_target"] = planned(settings.target_effect / sd) if sd > 0 else None
     result.power = power
-    margin = settings.margin_for(metric)
     if margin is not None:
         eq = tost(d_N, margin, alpha)
         result.equivalence = {**asdict(eq), "interval": list(eq.interval)}
+    return result
+
+
+def _compare_metric(base: list[Run], cand: list[Run], seeds: list, metric: Metric, settings: StatsSettings,
+                    tests: int, same_runs: bool = False) -> MetricComparison:
+    b_vals = [metric_value(r, metric) for r in base]
+    c_vals = [metric_value(r, metric) for r in cand]
+    result = paired_comparison(metric.spec, metric.higher_is_better, seeds, [v.value for v in b_vals],
+                               [v.value for v in c_vals], settings, tests, margin=settings.margin_for(metric))
+    result.steps = {"baseline": [v.step if v.span is None else list(v.span) for v in b_vals],
+                    "candidate": [v.step if v.span is None else list(v.span) for v in c_vals]}
+    for side in ((b_vals, c_vals) if same_runs else (b_vals + c_vals,)):
+        ends = {v.step if v.span is None else v.span for v in side}
+        if len(ends) <= 1:
+            continue
+        result.blockers.append(
+            f"runs end at different steps ({', '.join(str(e) for e in sorted(ends, key=str))}): unfinished runs? "
+            f"finish them or name a step ({metric.key}@STEP)")
     if metric.pass_at_k is not None:
         found = [samples_per_task(r, v.step) for r, v in zip(base + cand, b_vals + c_vals)]
         result.samples_per_task = None if any(s is None for s in found) else min(found)
@@ -909,8 +914,19 @@ def _two_way(base, cand, b_vals, c_vals, metric, settings, notes) -> dict | None
             "seeds": half}
 
 
-def _decide(r: MetricComparison, settings: StatsSettings, tests: int) -> None:
-    """The verdict and the evidence it rests on (docs/statistics.md, "Verdicts")."""
+def judge(results: Sequence[MetricComparison], settings: StatsSettings) -> None:
+    """Holm across one comparison's metrics (the tests and the TOSTs), then each one's verdict."""
+    for result, p in zip(results, holm([r.sign_flip["p"] for r in results])):
+        result.p_holm = p
+    with_margin = [r for r in results if r.equivalence is not None]
+    for result, p in zip(with_margin, holm([r.equivalence["p"] for r in with_margin])):
+        result.equivalence["p_holm"] = p
+    for result in results:
+        decide(result, settings, len(results))
+
+
+def decide(r: MetricComparison, settings: StatsSettings, tests: int) -> None:
+    """Set the verdict and the evidence it rests on (docs/statistics.md, "Verdicts"); p_holm must be set."""
     alpha, n = settings.alpha, r.n_seeds
     flip = r.sign_flip
     test = (f"exact sign-flip test over all {flip['flips']} flips" if flip["exact"]
@@ -923,15 +939,16 @@ def _decide(r: MetricComparison, settings: StatsSettings, tests: int) -> None:
                   "samples_per_task": r.samples_per_task}
     tested = f"{test}: p = {_pfmt(flip['p'])}{holm_note}"
     effect = f"mean Δ {r.mean_difference:+.4g} ({100 * (1 - alpha):g}% t interval [{lo:.4g}, {hi:.4g}])"
-    counted = f"{n} seeds{samples}"
+    counted = f"{n} {r.unit}{samples}"
     stated = f"{tested}; {effect}; {counted}"
     reachable = tests * flip["floor"] < alpha
     if not reachable:
         need = seeds_for_exact_test(alpha, tests)
         r.verdict = Verdict.inconclusive.value
-        r.reason = (f"the seeds cannot decide: with {n} seeds the smallest possible two-sided sign-flip p is "
+        r.reason = (f"the {r.unit} cannot decide: with {n} {r.unit} the smallest possible two-sided sign-flip p is "
                     f"2/2^{n} = {_pfmt(flip['floor'])}" + (f" (×{tests} under Holm)" if tests > 1 else "")
-                    + f", not below α = {alpha:g}; run ≥ {need} seeds. {stated}")
+                    + f", not below α = {alpha:g}; {'run' if r.unit == 'seeds' else 'evaluate on'} ≥ {need} {r.unit}. "
+                      f"{stated}")
         return
     if r.blockers:
         r.verdict = Verdict.inconclusive.value
@@ -962,7 +979,7 @@ def _decide(r: MetricComparison, settings: StatsSettings, tests: int) -> None:
     mde = r.power.get("mde")
     why = [f"not significant: {stated}"]
     if mde is not None:
-        why.append(f"these {n} seeds detect |Δ| ≥ {mde:.3g} with {100 * settings.power:g}% power")
+        why.append(f"these {n} {r.unit} detect |Δ| ≥ {mde:.3g} with {100 * settings.power:g}% power")
     if eq is not None:
         why.append(f"not shown equivalent within ±{eq['margin']:g} (TOST p = {_pfmt(eq['p'])})")
     else:

@@ -65,6 +65,9 @@ class RolloutSection(_Section):
     sampling_seed: int | None = Field(
         None, description="Sampling seed of the rollout jobs and of the held-out pass@k samples; None: the same "
                           "as rollout.seed. Vary it alone for \"same tasks, new samples\" replicates.")
+    curriculum: str | None = Field(
+        None, description="A curriculum file (`rollmarket curriculum`): sample only its kept training tasks, "
+                          "uniformly (keep) or by its weights (weight); None: every training task in turn.")
 
     @property
     def sampling(self) -> int:
@@ -486,6 +489,14 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
         check_suite(config.rollout.suite, "heldout")
     except UnknownSuite as exc:
         raise TrainConfigError(f"rollout.suite: {exc}", fix="`rollmarket suites ls` lists the suites") from None
+    if config.rollout.curriculum is not None:
+        from ..tasks.curriculum import CurriculumError, load_curriculum
+        from ..tasks.suites import load_suite
+
+        try:
+            load_curriculum(config.rollout.curriculum).select(load_suite(config.rollout.suite, "train"))
+        except CurriculumError as exc:
+            raise TrainConfigError(f"rollout.curriculum: {exc}", fix=exc.fix) from None
     known = [p.value for p in Precision]
     local_precisions = [spec.precision for spec in config.local.specs]
     for key, names in (("rollout.precisions", config.rollout.precisions),

@@ -54,7 +54,7 @@ import torch
 
 from ..client import Conflict, ExchangeError, TrainerClient
 from ..contracts import (DecisionStatus, GroupDecision, PolicyManifest, RolloutJob, SampleGroup, SamplingConfig, Tier,
-                         Trajectory)
+                         TaskSpec, Trajectory)
 from ..engines.precision import Precision
 from ..engines.provenance import checkpoint_digest
 from ..engines.teacher import TeacherForced
@@ -62,6 +62,7 @@ from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
 from ..observatory.offpolicy import FIGURE_NAMES
 from ..runs import atomic_write_text, code_version, new_run_dir, read_step_rows, record_process, write_json
+from ..tasks.curriculum import load_curriculum
 from ..tasks.suites import load_suite
 from . import failpoints
 from .advantages import compute_advantages
@@ -219,6 +220,10 @@ class Trainer:
                 update={"replay_lag": min(config.gate.replay_lag, config.loop.max_staleness)})
         self.train_tasks = load_suite(config.rollout.suite, "train")
         random.Random(config.rollout.seed).shuffle(self.train_tasks)
+        self.curriculum = None
+        if config.rollout.curriculum is not None:  # validate() has checked it against the suite
+            self.curriculum = load_curriculum(config.rollout.curriculum)
+            self.train_tasks = self.curriculum.select(self.train_tasks)
         self.eval_tasks = load_suite(config.rollout.suite, "heldout")[:config.eval.tasks]
         # Set up by run():
         self.run_dir: Path | None = None
@@ -309,12 +314,20 @@ class Trainer:
         lead = 1 if self.config.loop.mode == "async" else 0
         return self.base_version + max(step - 1 - lead, 0)
 
+    def train_task(self, index: int) -> TaskSpec:
+        """The `index`-th task the run trains on (over all steps): the shuffled training tasks in turn,
+        or the curriculum's pick (rollout.curriculum). A function of the index alone, so a resumed run
+        enqueues the same jobs."""
+        if self.curriculum is not None:
+            return self.curriculum.pick(self.train_tasks, index, self.config.rollout.seed)
+        return self.train_tasks[index % len(self.train_tasks)]
+
     def _jobs(self, step: int) -> list[RolloutJob]:
         r = self.config.rollout
         version = self._job_version(step)
         jobs = []
         for i in range(r.groups_per_step):
-            task = self.train_tasks[((step - 1) * r.groups_per_step + i) % len(self.train_tasks)]
+            task = self.train_task((step - 1) * r.groups_per_step + i)
             precision = r.precisions[i % len(r.precisions)]
             seed = int(hashlib.sha256(f"{r.sampling}:{step}:{i}".encode()).hexdigest()[:8], 16)
             key = f"{self.run_id}-s{step:05d}-{i:03d}"

@@ -1,0 +1,251 @@
+"""Evals you can compare: score stored rollouts again with another verifier, and compare two
+models' evals on the same tasks with the research workbench's statistics (research/stats.py).
+
+`reverify` re-scores each stored run (its final answer and tool calls) with a local verifier
+family or a resources server's `/verify`, keeping the old verification beside the new one, and
+counts where they disagree. `compare_evals` pairs two reward profiles task by task: the unit of
+replication is the task (each task's pass@k or mean reward is one number per side), and the
+per-task differences go through the same sign-flip test, t interval, TOST, Holm and verdicts as
+`rollmarket compare` does with seeds. Its intervals say how the mean would move on another draw
+of tasks like these with these samples; nothing about another training seed (docs/statistics.md).
+
+Library only: the CLI (cli/evals.py) prints and writes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..contracts import AgentTrajectory, TaskSpec, VerifyResult
+from ..verifiers.profile import MIN_SAMPLES_PER_TASK, ProfileReport, profile_rollouts, read_rollouts
+from .stats import Comparison, StatsError, StatsSettings, _clean, judge, paired_comparison
+
+
+class EvalError(StatsError):
+    """Input `rollmarket eval` cannot use; `fix` says what to do instead."""
+
+
+class UnknownTasks(EvalError):
+    """Stored runs of tasks the given task set does not have."""
+
+
+class NoCommonTasks(EvalError):
+    """The two sides of a comparison share fewer than 2 tasks."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reverify
+
+
+@dataclass(frozen=True)
+class Rescored:
+    """One stored run scored again: the old and the new reward side by side."""
+
+    task_id: str
+    sample_index: int
+    old_reward: float
+    old_passed: bool | None
+    """None when the stored run had no verification."""
+    new_reward: float
+    new_passed: bool
+    new_why: str | None
+
+
+@dataclass
+class ReverifyReport:
+    """What `rollmarket eval reverify` writes beside the re-scored rollouts."""
+
+    source: str
+    verifier: str
+    runs: int
+    agree: int
+    disagreements: dict[str, int]
+    """old→new passed counts that differ: "passed→failed", "failed→passed", "unverified→passed", ..."""
+    table: dict[str, dict[str, int]]
+    """old outcome (passed, failed, unverified) → new outcome (passed, failed) → runs."""
+    old_pass_rate: float | None
+    new_pass_rate: float | None
+    mean_reward_change: float | None
+    by_task: list[dict] = field(default_factory=list)
+    """Per task: runs, old and new correct, disagreements."""
+    changed: list[Rescored] = field(default_factory=list)
+    """Every run whose passed flag changed."""
+
+
+def _outcome(passed: bool | None) -> str:
+    return "unverified" if passed is None else "passed" if passed else "failed"
+
+
+Scorer = Callable[[TaskSpec, AgentTrajectory], VerifyResult]
+"""Scores one run of one task: a local verifier family, or a resources server's /verify."""
+
+
+def retarget(task: TaskSpec, verifier: str | None, args: Mapping[str, Any] | None) -> TaskSpec:
+    """`task` scored by `verifier` (None: its own) with `args` (None: its own args when the verifier
+    is its own, else none)."""
+    if verifier is None or verifier == task.verifier:
+        return task if args is None else task.model_copy(update={"verifier_args": dict(args)})
+    return task.model_copy(update={"verifier": verifier, "verifier_args": dict(args or {})})
+
+
+def reverify(runs: Sequence[AgentTrajectory], tasks: Iterable[TaskSpec], score: Scorer, *, verifier: str,
+             source: str = "", on_run: Callable[[], None] | None = None
+             ) -> tuple[list[AgentTrajectory], ReverifyReport]:
+    """Score every run again with `score` (the tasks already retargeted); the runs with their new
+    verification (the old one kept in `info["previous"]`) and the comparison of old with new.
+
+    Raises UnknownTasks, before scoring anything, when a run's task is not among `tasks`."""
+    by_id = {task.task_id: task for task in tasks}
+    missing = sorted({run.task_id for run in runs} - set(by_id))
+    if missing:
+        raise UnknownTasks(f"{len(missing)} task(s) of the rollouts are not in the task set: {missing[:5]}",
+                           fix="pass the --tasks the rollouts were collected on")
+    rescored_runs: list[AgentTrajectory] = []
+    rows: list[Rescored] = []
+    for run in runs:
+        new = score(by_id[run.task_id], run)
+        old = run.verification
+        info = {**new.info, "previous": None if old is None else old.model_dump(mode="json")}
+        rescored_runs.append(run.model_copy(update={"verification": new.model_copy(update={"info": info})}))
+        rows.append(Rescored(task_id=run.task_id, sample_index=run.sample_index, old_reward=run.reward,
+                             old_passed=None if old is None else old.passed, new_reward=new.reward,
+                             new_passed=new.passed, new_why=new.info.get("why")))
+        if on_run is not None:
+            on_run()
+    table: dict[str, dict[str, int]] = {old: {"passed": 0, "failed": 0} for old in ("passed", "failed", "unverified")}
+    for row in rows:
+        table[_outcome(row.old_passed)][_outcome(row.new_passed)] += 1
+    changed = [r for r in rows if r.old_passed is not r.new_passed]
+    flips = Counter(f"{_outcome(r.old_passed)}→{_outcome(r.new_passed)}" for r in changed)
+    by_task: dict[str, dict] = {}
+    for row in rows:
+        entry = by_task.setdefault(row.task_id, {"task_id": row.task_id, "runs": 0, "old_correct": 0,
+                                                 "new_correct": 0, "disagree": 0})
+        entry["runs"] += 1
+        entry["old_correct"] += bool(row.old_passed)
+        entry["new_correct"] += row.new_passed
+        entry["disagree"] += row.old_passed is not row.new_passed
+    n = len(rows)
+    report = ReverifyReport(
+        source=source, verifier=verifier, runs=n, agree=n - len(changed), disagreements=dict(sorted(flips.items())),
+        table=table, old_pass_rate=sum(bool(r.old_passed) for r in rows) / n if n else None,
+        new_pass_rate=sum(r.new_passed for r in rows) / n if n else None,
+        mean_reward_change=sum(r.new_reward - r.old_reward for r in rows) / n if n else None,
+        by_task=[by_task[t] for t in sorted(by_task)], changed=changed)
+    return rescored_runs, report
+
+
+def reverify_json(report: ReverifyReport) -> str:
+    """The reverify report as indented JSON."""
+    return json.dumps(_clean(asdict(report)), indent=2) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Compare
+
+
+EVAL_METRICS = ("pass@1", "pass@4", "pass@16", "reward")
+"""Per-task numbers `eval compare` can pair: a profile's pass@k, or its mean reward."""
+
+
+def load_profile(path: str | Path) -> ProfileReport:
+    """A reward profile: a `rollmarket profile` JSON report, or rollouts JSONL profiled here."""
+    path = Path(path)
+    if not path.is_file():
+        raise EvalError(f"{path}: no such file", fix="pass rollouts JSONL or a profile JSON")
+    if path.suffix == ".json":
+        try:
+            return ProfileReport.model_validate_json(path.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise EvalError(f"{path}: not a reward profile ({str(exc).splitlines()[0]})",
+                            fix="pass the JSON `rollmarket profile` wrote, or the rollouts JSONL") from None
+    runs, problems = read_rollouts(path)
+    if not runs:
+        raise EvalError(f"{path}: no agent runs in it" + (f" ({problems[0]})" if problems else ""),
+                        fix="pass rollouts JSONL (`rollmarket collect --out`) or a profile JSON")
+    return profile_rollouts(runs, source=str(path), skipped_lines=len(problems))
+
+
+def _per_task(profile: ProfileReport, metric: str) -> dict[str, tuple[float, int]]:
+    """Task id → (value, samples); tasks without the value (n < k) left out."""
+    out: dict[str, tuple[float, int]] = {}
+    for row in profile.tasks:
+        if metric == "reward":
+            value = row.reward_mean
+        else:
+            k = int(metric.removeprefix("pass@"))
+            if k not in row.pass_at_k:
+                raise EvalError(f"{profile.source}: the profile has no pass@{k} (has {sorted(row.pass_at_k)})",
+                                fix="profile the rollouts again, or compare the rollouts JSONL")
+            value = row.pass_at_k[k]
+        if value is not None:
+            out[row.task_id] = (float(value), row.n)
+    return out
+
+
+def _margin(settings: StatsSettings, metric: str) -> float | None:
+    """The equivalence margin of an eval metric: one number for every metric, or the table's entry."""
+    margins = settings.equivalence_margin
+    return margins.get(metric) if isinstance(margins, dict) else margins
+
+
+@dataclass
+class EvalComparison:
+    """What `rollmarket eval compare` writes: per-task paired differences with intervals and verdicts."""
+
+    baseline: str
+    candidate: str
+    settings: dict
+    comparison: Comparison
+    tasks_only_baseline: list[str]
+    tasks_only_candidate: list[str]
+    per_task: dict[str, list[dict]]
+    """Metric → one row per paired task: baseline, candidate and their difference."""
+
+
+def compare_evals(baseline: ProfileReport, candidate: ProfileReport, metrics: Sequence[str] = ("pass@1",),
+                  settings: StatsSettings = StatsSettings(), *, baseline_name: str = "baseline",
+                  candidate_name: str = "candidate") -> EvalComparison:
+    """Candidate vs baseline task by task on each metric; Holm across the metrics; verdicts."""
+    unknown = [m for m in metrics if m not in EVAL_METRICS]
+    if unknown or not metrics:
+        raise EvalError(f"unknown eval metric(s) {unknown or 'none given'}", fix=f"use {', '.join(EVAL_METRICS)}")
+    results, rows = [], {}
+    only_base: set[str] = set()
+    only_cand: set[str] = set()
+    for metric in metrics:
+        base, cand = _per_task(baseline, metric), _per_task(candidate, metric)
+        tasks = sorted(set(base) & set(cand))
+        only_base |= set(base) - set(cand)
+        only_cand |= set(cand) - set(base)
+        if len(tasks) < 2:
+            raise NoCommonTasks(f"{metric}: {len(tasks)} task(s) with a value on both sides; per-task pairing "
+                                f"needs at least 2", fix="evaluate both models on the same tasks (with n >= k)")
+        result = paired_comparison(metric, True, tasks, [base[t][0] for t in tasks], [cand[t][0] for t in tasks],
+                                   settings, len(metrics), margin=_margin(settings, metric), unit="tasks")
+        if metric != "reward":
+            result.samples_per_task = min(min(base[t][1], cand[t][1]) for t in tasks)
+            if result.samples_per_task < MIN_SAMPLES_PER_TASK:
+                result.blockers.append(f"{result.samples_per_task} samples for some task; a pass@k claim needs "
+                                       f"≥ {MIN_SAMPLES_PER_TASK} (collect with -k {MIN_SAMPLES_PER_TASK})")
+        results.append(result)
+        rows[metric] = [{"task_id": t, "baseline": base[t][0], "candidate": cand[t][0],
+                         "difference": cand[t][0] - base[t][0]} for t in tasks]
+    judge(results, settings)
+    return EvalComparison(baseline=baseline_name, candidate=candidate_name, settings=asdict(settings),
+                          comparison=Comparison(baseline=baseline_name, candidate=candidate_name, metrics=results),
+                          tasks_only_baseline=sorted(only_base), tasks_only_candidate=sorted(only_cand),
+                          per_task=rows)
+
+
+def comparison_json(report: EvalComparison) -> str:
+    """The eval comparison as indented JSON."""
+    data = asdict(report)
+    for metric in data["comparison"]["metrics"]:
+        metric.pop("blockers", None)
+    return json.dumps(_clean(data), indent=2) + "\n"

@@ -1,0 +1,262 @@
+"""Evals you can compare: `rollmarket eval reverify`, `rollmarket eval compare` and `rollmarket
+curriculum`, run as real processes on real files (and a real resources server on loopback), and a
+real training run sampling only a curriculum's tasks.
+
+Expected values come from how the fixtures were written (which answers are right under which
+verifier, how many runs of each task pass), never from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from helpers import ServiceProcess, rollmarket_command
+from rollmarket.contracts import AgentTrajectory, TaskSpec, TerminalReason, VerifyResult
+from rollmarket.localhost import free_port
+from rollmarket.tasks.suites import load_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "rollmarket", *args], capture_output=True, text=True,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}, cwd=ROOT)
+    assert (done.returncode == 0) == ok, done.stdout + done.stderr
+    return done
+
+
+def run(task_id: str, index: int, answer: str, passed: bool | None) -> AgentTrajectory:
+    verification = None if passed is None else VerifyResult(reward=float(passed), passed=passed)
+    return AgentTrajectory(task_id=task_id, sample_index=index, messages=[{"role": "user", "content": "q"}],
+                           final_answer=answer, terminal_reason=TerminalReason.final_answer,
+                           verification=verification)
+
+
+def write_runs(path: Path, runs: list[AgentTrajectory]) -> Path:
+    path.write_text("".join(r.model_dump_json() + "\n" for r in runs))
+    return path
+
+
+def passing_runs(counts: dict[str, int], n: int) -> list[AgentTrajectory]:
+    """n runs per task, the first counts[task] of them passed."""
+    return [run(task, i, "x", i < c) for task, c in counts.items() for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# reverify
+
+# Task t0 expects 3 and t1 expects 10. The answers and which verifier accepts them:
+# exact compares text (after normalization), numeric compares numbers.
+ANSWERS = {"t0": ["3", "3.0", "3.00", "4"], "t1": ["10", "1e1", "ten", "10.0"]}
+EXACT_OK = {("t0", "3"), ("t1", "10")}
+NUMERIC_OK = {("t0", "3"), ("t0", "3.0"), ("t0", "3.00"), ("t1", "10"), ("t1", "1e1"), ("t1", "10.0")}
+
+
+@pytest.fixture
+def stored(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(TaskSpec(task_id=t, prompt="?", verifier="exact", answer=a).model_dump_json() + "\n"
+                             for t, a in (("t0", "3"), ("t1", "10"))))
+    runs = [run(t, i, a, (t, a) in EXACT_OK) for t, answers in ANSWERS.items() for i, a in enumerate(answers)]
+    return tasks, write_runs(tmp_path / "runs.jsonl", runs)
+
+
+def check_reverified(out: Path) -> None:
+    rescored = [AgentTrajectory.model_validate_json(line) for line in out.read_text().splitlines()]
+    assert [(r.task_id, r.final_answer) for r in rescored] == [(t, a) for t, answers in ANSWERS.items()
+                                                             for a in answers]
+    assert {(r.task_id, r.final_answer) for r in rescored if r.verification.passed} == NUMERIC_OK
+    assert all(r.verification.info["previous"]["passed"] == ((r.task_id, r.final_answer) in EXACT_OK)
+               for r in rescored)
+    report = json.loads(out.with_name("new.reverify.json").read_text())
+    flipped = len(NUMERIC_OK - EXACT_OK)
+    assert report["runs"] == 8 and report["agree"] == 8 - flipped
+    assert report["disagreements"] == {"failed→passed": flipped}
+    assert report["table"]["passed"] == {"passed": len(EXACT_OK), "failed": 0}
+    assert report["table"]["failed"] == {"passed": flipped, "failed": 8 - len(NUMERIC_OK)}
+    assert report["new_pass_rate"] == len(NUMERIC_OK) / 8 and report["old_pass_rate"] == len(EXACT_OK) / 8
+
+
+def test_reverify_with_a_local_family_puts_old_and_new_side_by_side(stored, tmp_path):
+    tasks, runs = stored
+    out = tmp_path / "new.jsonl"
+    done = cli("eval", "reverify", str(runs), "--tasks", str(tasks), "--verifier", "numeric", "--out", str(out))
+    assert f"agree on {8 - len(NUMERIC_OK - EXACT_OK)} of 8 runs" in done.stdout
+    check_reverified(out)
+
+
+def test_reverify_through_a_resources_server_matches_the_local_family(stored, tmp_path):
+    tasks, runs = stored
+    port = free_port()
+    server = ServiceProcess(rollmarket_command("verifier", "serve", "--port", str(port)), tmp_path / "verifier.log",
+                            port).start(timeout=60)
+    try:
+        out = tmp_path / "new.jsonl"
+        cli("eval", "reverify", str(runs), "--tasks", str(tasks), "--verifier", server.url, "--family", "numeric",
+            "--out", str(out))
+        check_reverified(out)
+        # A family the tasks do not fit: the server answers 400, the command one error line, no file.
+        bad = tmp_path / "bad.jsonl"
+        done = cli("eval", "reverify", str(runs), "--tasks", str(tasks), "--verifier", server.url, "--family",
+                   "json_schema", "--out", str(bad), ok=False)
+        assert "schema: Field required" in done.stderr and not bad.exists()
+    finally:
+        server.stop()
+
+
+def test_reverify_refuses_bad_input_and_writes_nothing(stored, tmp_path):
+    tasks, runs = stored
+    out = tmp_path / "new.jsonl"
+    bad = cli("eval", "reverify", str(runs), "--tasks", str(tasks), "--verifier", "nope", "--out", str(out), ok=False)
+    assert "unknown verifier 'nope'" in bad.stderr
+    other = tmp_path / "other.jsonl"
+    other.write_text(TaskSpec(task_id="t0", prompt="?", verifier="exact", answer="3").model_dump_json() + "\n")
+    bad = cli("eval", "reverify", str(runs), "--tasks", str(other), "--verifier", "numeric", "--out", str(out),
+              ok=False)
+    assert "not in the task set: ['t1']" in bad.stderr
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+
+def test_compare_pairs_tasks_and_gives_the_workbenchs_verdicts(tmp_path):
+    n = 16
+    base_counts = {f"task{i:02d}": 2 + i % 5 for i in range(12)}
+    cand_counts = {t: c + 3 + i % 2 for i, (t, c) in enumerate(base_counts.items())}
+    base = write_runs(tmp_path / "base.jsonl", passing_runs(base_counts, n))
+    cand = write_runs(tmp_path / "cand.jsonl", passing_runs(cand_counts, n))
+    out = tmp_path / "cmp.json"
+    done = cli("eval", "compare", str(cand), str(base), "--out", str(out))
+    assert "CONFIRMED" in done.stdout
+    report = json.loads(out.read_text())
+    (m,) = report["comparison"]["metrics"]
+    diffs = [(cand_counts[t] - base_counts[t]) / n for t in sorted(base_counts)]
+    assert m["verdict"] == "CONFIRMED" and m["unit"] == "tasks" and m["n_seeds"] == 12
+    assert m["differences"] == pytest.approx(diffs)
+    assert m["mean_difference"] == pytest.approx(sum(diffs) / len(diffs))
+    assert m["sign_flip"]["p"] == pytest.approx(2 / 2 ** 12)  # every difference positive: the two extreme flips
+    lo, hi = m["t_interval"]
+    assert 0 < lo < sum(diffs) / len(diffs) < hi
+
+    # The other way round it is REFUTED; from profiles it is the same comparison.
+    cli("profile", str(base), "--out", str(tmp_path / "base.profile.json"))
+    cli("profile", str(cand), "--out", str(tmp_path / "cand.profile.json"))
+    cli("eval", "compare", str(tmp_path / "base.profile.json"), str(tmp_path / "cand.profile.json"),
+        "--out", str(out))
+    (back,) = json.loads(out.read_text())["comparison"]["metrics"]
+    assert back["verdict"] == "REFUTED" and back["differences"] == pytest.approx([-d for d in diffs])
+
+
+def test_compare_says_inconclusive_with_too_few_samples_or_no_difference(tmp_path):
+    counts = {f"task{i:02d}": 1 + i % 3 for i in range(10)}
+    few = cli("eval", "compare", str(write_runs(tmp_path / "a.jsonl", passing_runs(counts, 4))),
+              str(write_runs(tmp_path / "b.jsonl", passing_runs({t: 0 for t in counts}, 4))),
+              "--out", str(tmp_path / "few.json"))
+    (m,) = json.loads((tmp_path / "few.json").read_text())["comparison"]["metrics"]
+    assert m["verdict"] == "INCONCLUSIVE" and "a pass@k claim needs ≥ 16" in m["reason"], few.stdout
+    same = passing_runs(counts, 16)
+    cli("eval", "compare", str(write_runs(tmp_path / "c.jsonl", same)), str(write_runs(tmp_path / "d.jsonl", same)),
+        "--metric", "reward", "--out", str(tmp_path / "same.json"))
+    (m,) = json.loads((tmp_path / "same.json").read_text())["comparison"]["metrics"]
+    assert m["verdict"] == "INCONCLUSIVE" and m["mean_difference"] == 0
+    one = cli("eval", "compare", str(write_runs(tmp_path / "e.jsonl", passing_runs({"x": 1}, 16))),
+              str(tmp_path / "d.jsonl"), ok=False)
+    assert "per-task pairing needs at least 2" in one.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# curriculum
+
+def curriculum_profile(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    """Rollouts of real `arithmetic` training tasks: two solved, two hopeless, three learnable, one
+    with too few samples."""
+    ids = [t.task_id for t in load_suite("arithmetic", "train")][:8]
+    counts = dict(zip(ids, (16, 15, 0, 0, 8, 4, 2, 1)))
+    runs = [r for r in passing_runs(counts, 16) if not (r.task_id == ids[7] and r.sample_index >= 2)]
+    return write_runs(tmp_path / "train.jsonl", runs), counts
+
+
+def test_curriculum_drops_the_solved_and_the_hopeless_and_weights_the_learnable(tmp_path):
+    profile, counts = curriculum_profile(tmp_path)
+    ids = list(counts)
+    out = tmp_path / "curriculum.json"
+    cli("curriculum", str(profile), "--out", str(out), "--max-pass", "0.9")
+    data = json.loads(out.read_text())
+    learnable = {t: counts[t] / 16 for t in ids[4:7]}
+    raw = {t: p * (1 - p) for t, p in learnable.items()}
+    assert {t["task_id"]: t["weight"] for t in data["tasks"]} == pytest.approx(
+        {t: w / sum(raw.values()) for t, w in raw.items()})
+    assert set(data["solved"]) == set(ids[:2])
+    assert set(data["hopeless"]) == set(ids[2:4]) and data["unmeasured"] == [ids[7]]
+    bad = cli("curriculum", str(profile), "--out", str(tmp_path / "x.json"), "--min-pass", "0.95", ok=False)
+    assert "min_pass" in bad.stderr and not (tmp_path / "x.json").exists()
+    none = cli("curriculum", str(profile), "--out", str(tmp_path / "x.json"), "--max-pass", "0.05", ok=False)
+    assert "no learnable task" in none.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_trainer_samples_only_the_kept_tasks_by_their_weights(tmp_path):
+    from rollmarket.train.config import TrainConfigError, resolve, validate
+    from rollmarket.train.loop import Trainer
+
+    profile, counts = curriculum_profile(tmp_path)
+    kept = list(counts)[4:7]
+    weighted, uniform = tmp_path / "weighted.json", tmp_path / "uniform.json"
+    cli("curriculum", str(profile), "--out", str(weighted))
+    cli("curriculum", str(profile), "--out", str(uniform), "--mode", "keep")
+    model = f"model.path={json.dumps(str(ROOT / 'models' / 'tiny-moe'))}"
+
+    def trainer(path: Path) -> Trainer:
+        config = resolve(None, [model, "rollout.suite=arithmetic", f"rollout.curriculum={json.dumps(str(path))}"])
+        validate(config, local=True)
+        return Trainer(config, local=True)
+
+    draws = 6000
+    sampler = trainer(weighted)
+    picked = Counter(sampler.train_task(i).task_id for i in range(draws))
+    assert set(picked) == set(kept)
+    p = {t: counts[t] / 16 for t in kept}
+    total = sum(q * (1 - q) for q in p.values())
+    for task in kept:  # a binomial count within 5 standard deviations of its expectation
+        share = p[task] * (1 - p[task]) / total
+        assert abs(picked[task] - draws * share) < 5 * (draws * share * (1 - share)) ** 0.5, (task, picked)
+    again = trainer(weighted)  # a resumed run picks the same tasks
+    assert [again.train_task(i).task_id for i in range(50)] == [sampler.train_task(i).task_id for i in range(50)]
+    cycler = trainer(uniform)
+    cycle = [cycler.train_task(i).task_id for i in range(9)]
+    assert sorted(cycle[:3]) == sorted(kept) and cycle[3:6] == cycle[:3] == cycle[6:]
+
+    foreign = tmp_path / "foreign.json"
+    data = json.loads(weighted.read_text())
+    data["tasks"][0]["task_id"] = "not-a-task"
+    foreign.write_text(json.dumps(data))
+    with pytest.raises(TrainConfigError, match="not training tasks"):
+        validate(resolve(None, [model, "rollout.suite=arithmetic", f"rollout.curriculum={json.dumps(str(foreign))}"]),
+                 local=True)
+
+
+@pytest.mark.slow
+def test_a_train_run_enqueues_jobs_only_for_the_curriculums_tasks(tmp_path):
+    profile, counts = curriculum_profile(tmp_path)
+    curriculum = tmp_path / "curriculum.json"
+    cli("curriculum", str(profile), "--out", str(curriculum), "--mode", "keep")
+    from rollmarket.train.config import resolve
+    from rollmarket.train.loop import Trainer
+
+    config = resolve(None, [
+        f"model.path={json.dumps(str(ROOT / 'models' / 'tiny-moe'))}", "rollout.suite=arithmetic",
+        f"rollout.curriculum={json.dumps(str(curriculum))}", "rollout.groups_per_step=3", "rollout.group_size=2",
+        "rollout.max_tokens=16", "agent.max_turns=1", "eval.tasks=0", "loop.steps=1",
+        "rollout.precisions=['bf16']", "local.workers=['bf16']", "local.lease_ttl_s=8",
+        f"runs_root={json.dumps(str(tmp_path / 'runs'))}"])
+    run_dir = Trainer(config, local=True).run()
+    with sqlite3.connect(run_dir / "exchange.db") as db:
+        enqueued = [json.loads(row[0])["task"]["task_id"] for row in db.execute("SELECT body FROM jobs")]
+    assert sorted(enqueued) == sorted(list(counts)[4:7])  # one step of 3 groups: each kept task once

@@ -34,7 +34,7 @@ from rollmarket.proxy.store import CaptureStore
 from rollmarket.tasks.suites import load_suite
 from rollmarket.worker.host import RemoteHost
 from test_worker import Worker, jobs, policy, resaved_checkpoint, wait_done
-from vllm_server import MOE, REPO, SERVED_NAME, START_TIMEOUT_S, vllm_server
+from vllm_server import MOE, REPO, SERVED_NAME, START_TIMEOUT_S, running_vllm
 
 # The module fixture waits up to START_TIMEOUT_S for vLLM: the per-test limit must cover it.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + 300)]
@@ -48,12 +48,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vllm(workdir) -> ServiceProcess:
     """One real vLLM server for the module (it takes a minute or two to start)."""
-    server = vllm_server(workdir / "vllm.log")
-    started = time.monotonic()
-    server.start(timeout=START_TIMEOUT_S)
-    print(f"vLLM ready in {time.monotonic() - started:.0f}s")
-    yield server
-    server.stop(30)
+    yield from running_vllm(workdir / "vllm.log")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ no routed experts, so its replay cells say why they are absent instead of failin
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from helpers import ServiceProcess
 from rollmarket.contracts import AgentTrajectory, DenseMismatchReport
 from rollmarket.observatory import layout
-from vllm_server import MOE, START_TIMEOUT_S, vllm_server
+from vllm_server import MOE, START_TIMEOUT_S, running_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + 600)]
 
@@ -25,12 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_TIMEOUT_S + 600)]
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory) -> ServiceProcess:
     """One real vLLM server for the module (a minute or two to start)."""
-    server = vllm_server(tmp_path_factory.mktemp("vllm") / "vllm.log")
-    started = time.monotonic()
-    server.start(timeout=START_TIMEOUT_S)
-    print(f"vLLM ready in {time.monotonic() - started:.0f}s")
-    yield server
-    server.stop(30)
+    yield from running_vllm(tmp_path_factory.mktemp("vllm") / "vllm.log")
 
 
 @pytest.fixture(scope="module")

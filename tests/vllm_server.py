@@ -8,6 +8,8 @@ whose tail is in the error when it dies or never answers `/v1/models`.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from helpers import ServiceProcess
@@ -52,3 +54,13 @@ def vllm_server(log: Path, *, model: Path = MOE, max_model_len: int = 2048, dev_
     env = {**VLLM_ENV, **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
     return ServiceProcess(vllm_command(model, port, max_model_len=max_model_len, eager=eager), log, port,
                           health="/v1/models", env=env)
+
+
+def running_vllm(log: Path) -> Iterator[ServiceProcess]:
+    """A module fixture's body: one real vLLM server (a minute or two to start), stopped afterwards."""
+    server = vllm_server(log)
+    started = time.monotonic()
+    server.start(timeout=START_TIMEOUT_S)
+    print(f"vLLM ready in {time.monotonic() - started:.0f}s")
+    yield server
+    server.stop(30)

@@ -25,10 +25,8 @@ from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..bodies import BodyError, json_body, parse_json, read_body
@@ -44,7 +42,7 @@ from ..contracts import (
 )
 from ..contracts.limits import Count
 from ..verifiers.client import ResourcesClient, ResourcesError
-from ..verifiers.server import Fault
+from ..verifiers.server import Fault, install_fault_handlers
 from .gym import GYM_KEY, GymBodyError, gym_response, gym_task, is_gym_body
 from .loop import Agent, AgentSettings, task_messages
 from .model import ChatModel, ModelCallError, Sampling
@@ -168,32 +166,12 @@ def create_agent_app(settings: AgentServerSettings, runner: AgentRunner | None =
     app = FastAPI(title="rollmarket agent server", version=__version__, lifespan=lifespan,
                   description=f"The {settings.loop} loop against {settings.model_url} and {settings.resources_url}.")
 
-    @app.exception_handler(Fault)
-    async def on_fault(request: Request, fault: Fault) -> Response:
-        return fault.response()
+    install_fault_handlers(app, log)
 
     @app.exception_handler(Upstream)
     async def on_upstream(request: Request, exc: Upstream) -> Response:
         body = ErrorBody(error=ErrorDetail(code=ErrorCode.upstream_error, message=str(exc)))
         return JSONResponse(body.model_dump(mode="json"), status_code=502)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
-        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in exc.errors()[:20]]
-        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-        return Fault(ErrorCode.invalid_request, f"{'.'.join(first['loc'])}: {first['msg']}",
-                     {"errors": errors}).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
-        body = ErrorBody(error=ErrorDetail(code=code, message=str(exc.detail)))
-        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return Fault(ErrorCode.internal, f"internal error: {type(exc).__name__}").response()
 
     @app.get("/healthz")
     async def healthz() -> JSONResponse:

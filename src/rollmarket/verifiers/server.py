@@ -161,6 +161,34 @@ def _validate(model: type[Record], data: Any) -> Any:
                     {"errors": errors}) from None
 
 
+def install_fault_handlers(app: FastAPI, log: logging.Logger) -> None:
+    """The typed error answers a service built on Fault gives: its Fault as is, a body that does not
+    fit as invalid_request (422) with the first field named, a routing refusal (404/405) typed, and
+    any bug as a logged internal error (500) without a traceback on the wire."""
+
+    @app.exception_handler(Fault)
+    async def on_fault(request: Request, fault: Fault) -> Response:
+        return fault.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in exc.errors()[:20]]
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        return Fault(ErrorCode.invalid_request, f"{'.'.join(first['loc'])}: {first['msg']}",
+                     {"errors": errors}).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
+        code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
+        body = ErrorBody(error=ErrorDetail(code=code, message=str(exc.detail)))
+        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return Fault(ErrorCode.internal, f"internal error: {type(exc).__name__}").response()
+
+
 def session_id_of(request: Request) -> str | None:
     """The caller's session id: the x-rollmarket-session header, else the rollmarket_session cookie."""
     return request.headers.get(SESSION_HEADER) or request.cookies.get(SESSION_COOKIE)
@@ -213,27 +241,7 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
     app.state.sessions = store
     app.state.settings = settings
 
-    @app.exception_handler(Fault)
-    async def on_fault(request: Request, fault: Fault) -> Response:
-        return fault.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
-        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg")} for e in exc.errors()[:20]]
-        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
-        return Fault(ErrorCode.invalid_request, f"{'.'.join(first['loc'])}: {first['msg']}",
-                     {"errors": errors}).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
-        code = ErrorCode.not_found if exc.status_code == 404 else ErrorCode.invalid_request
-        body = ErrorBody(error=ErrorDetail(code=code, message=str(exc.detail)))
-        return JSONResponse(body.model_dump(mode="json"), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def on_crash(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return Fault(ErrorCode.internal, f"internal error: {type(exc).__name__}").response()
+    install_fault_handlers(app, log)
 
     def caller(request: Request) -> Session:
         session_id = session_id_of(request)

@@ -46,6 +46,16 @@ DEFAULT_SHAPE = {"cpu": "tiny-dense", "cuda": "qwen3-1.7b"}
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
 TEMPERATURE = 0.8
 """Not 1, so the division by τ is in both paths as in a run that samples at τ."""
+LAYOUTS = {
+    "default": {},
+    "root-kept": dict(reshard_root=False),
+    "kept": dict(reshard_root=False, reshard_layers=False),
+    "prefetch": dict(prefetch=1),
+    "root-kept-prefetch": dict(reshard_root=False, prefetch=1),
+    "kept-prefetch": dict(reshard_root=False, reshard_layers=False, prefetch=1),
+}
+"""FSDP2 layouts an ``fsdp-N@<layout>`` row may name (engines.fsdp.ShardLayout's fields); a plain
+``fsdp-N`` row is the default layout."""
 
 
 # ----------------------------------------------------------------------------- one step
@@ -215,11 +225,12 @@ def child(name: str, method: str, args) -> dict:
     return result
 
 
-def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str) -> None:
+def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str, layout: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from rollmarket.engines.fsdp import ShardLayout
     from rollmarket.train.head import CHUNK, policy_token_stats
     from rollmarket.train.sharded import shard_policy
 
@@ -236,12 +247,14 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str)
                             **({"device_id": torch.device(device)} if cuda else {}))
     try:
         shape, loaded, model = _prepare(name, args.precision, device, args.tokens, not args.no_checkpointing)
-        shard_policy(model, init_device_mesh("cuda" if cuda else "cpu", (world_size,)), policy_token_stats)
+        shard_policy(model, init_device_mesh("cuda" if cuda else "cpu", (world_size,)), policy_token_stats,
+                     layout=ShardLayout(**LAYOUTS[layout]))
         ids_BS, attention_BS, mask_BT, advantages_B = _inputs(shape, loaded.info.vocab_size, device)
         rows = slice(rank * len(ids_BS) // world_size, (rank + 1) * len(ids_BS) // world_size)
         chunk = args.chunk or CHUNK
         step = _stepper("chunked", model, ids_BS[rows], attention_BS[rows], mask_BT[rows], advantages_B[rows], chunk)
-        result = dict(shape=name, method=f"fsdp-{world_size}", device=args.device, precision=args.precision,
+        result = dict(shape=name, method=f"fsdp-{world_size}" + ("" if layout == "default" else f"@{layout}"),
+                      layout=layout, device=args.device, precision=args.precision,
                       batch=ids_BS.shape[0], seq=ids_BS.shape[1], tokens=ids_BS.numel(),
                       loss_tokens=int(mask_BT.sum()), vocab=loaded.info.vocab_size, world_size=world_size,
                       chunk=chunk, checkpointing=not args.no_checkpointing)
@@ -258,7 +271,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str)
     os._exit(0)  # skip gloo's C++ teardown at exit (see engines/fsdp.py::_worker)
 
 
-def fsdp_child(name: str, world_size: int, args) -> dict:
+def fsdp_child(name: str, method: str, args) -> dict:
     import tempfile
 
     import torch
@@ -267,8 +280,9 @@ def fsdp_child(name: str, world_size: int, args) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="learner-step-") as scratch:
         out = str(Path(scratch) / "rank0.json")
-        torch.multiprocessing.spawn(_fsdp_rank, nprocs=world_size, join=True,
-                                    args=(world_size, free_port(), name, args, out))
+        ranks, _, layout = method.removeprefix("fsdp-").partition("@")
+        torch.multiprocessing.spawn(_fsdp_rank, nprocs=int(ranks), join=True,
+                                    args=(int(ranks), free_port(), name, args, out, layout or "default"))
         return json.loads(Path(out).read_text())
 
 
@@ -325,6 +339,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="Timed steps per method (best of).")
     parser.add_argument("--world-size", type=int, default=2, help="FSDP ranks of the fsdp-N row (0: no FSDP rows).")
     parser.add_argument("--methods", default="naive,chunked", help="Comma-separated single-process methods.")
+    parser.add_argument("--layouts", default="default",
+                        help=f"FSDP layouts of the fsdp-N rows, comma-separated, from {', '.join(LAYOUTS)}.")
     parser.add_argument("--no-checkpointing", action="store_true", help="Keep every layer's activations.")
     parser.add_argument("--timeout-s", type=float, default=240.0,
                         help="Longest wait for one method's process; its row then says so and the others still run.")
@@ -340,7 +356,7 @@ def main() -> None:
 
     if args.child:
         shape, method = args.child
-        res = fsdp_child(shape, int(method.split("-")[1]), args) if method.startswith("fsdp-") else child(
+        res = fsdp_child(shape, method, args) if method.startswith("fsdp-") else child(
             shape, method, args)
         print(json.dumps(res))
         return
@@ -352,8 +368,13 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     if any(m not in ("naive", "chunked") for m in methods):
         parser.error(f"unknown method in {methods}; choose from naive, chunked")
+    layouts = [x for x in args.layouts.split(",") if x]
+    if any(x not in LAYOUTS for x in layouts):
+        parser.error(f"unknown layout in {layouts}; choose from {', '.join(LAYOUTS)}")
     if args.world_size:
-        methods += ["fsdp-1", f"fsdp-{args.world_size}"] if args.world_size > 1 else ["fsdp-1"]
+        methods += ["fsdp-1"]
+        if args.world_size > 1:
+            methods += [f"fsdp-{args.world_size}" + ("" if x == "default" else f"@{x}") for x in layouts]
     rows = {}
     for method in methods:
         console.log(f"{name} / {method} on {args.device} at {args.precision}")

@@ -90,8 +90,12 @@ SHAPES: dict[str, dict] = {
 DEFAULT_SHAPES = {"cpu": "tiny-dense,tiny-moe,bigvocab", "cuda": "qwen3-0.6b,qwen3-1.7b,qwen3-4b"}
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
 BODY_OF = {"engine-eager": "eager", "engine-liger": "liger", "engine-compiled": "compiled",
-           "engine-compiled-liger": "compiled-liger", "engine-torch": "eager"}
-METHODS = (*BODY_OF, "naive", "naive-logprobs", "numerics")
+           "engine-compiled-liger": "compiled-liger", "engine-torch": "eager",
+           "engine-compiled-autotune": "compiled", "engine-compiled-graphs": "compiled"}
+COMPILE_MODE_OF = {"engine-compiled-autotune": "max-autotune-no-cudagraphs",
+                   "engine-compiled-graphs": "reduce-overhead"}
+"""torch.compile modes other than the default, measured as rows of their own."""
+METHODS = (*BODY_OF, "naive", "naive-logprobs", "numerics", "profile")
 DEFAULT_METHODS = {"cpu": "engine-eager,engine-torch,naive,naive-logprobs",
                    "cuda": "engine-eager,engine-liger,engine-compiled,engine-compiled-liger,naive,numerics"}
 BASELINE = "naive"
@@ -189,9 +193,14 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
                   prompt=P, tokens=B * S, scored_tokens=B * (S - P), vocab=vocab,
                   parameters=sum(p.numel() for p in model.parameters()))
     engine = None
-    if method in BODY_OF:
+    if method in BODY_OF or method == "profile":
         try:
-            engine = TrainerEngine(loaded, chunk=chunk or None, body=BODY_OF[method])
+            engine = TrainerEngine(loaded, chunk=chunk or None, body=BODY_OF.get(method))
+            if method in COMPILE_MODE_OF:
+                from rollmarket.engines.body import BodyPatch
+
+                engine.body_patch = BodyPatch(engine.body, "compiled", compile_mode=COMPILE_MODE_OF[method])
+                result["compile_mode"] = COMPILE_MODE_OF[method]
         except BodyUnavailable as exc:
             return dict(result, error=f"body unavailable: {exc}")
         result.update(body=engine.body_patch.body, fused=list(engine.body_patch.fused), chunk=engine.chunk,
@@ -225,6 +234,12 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
 
     run = run_engine if engine is not None else {"naive": run_naive,
                                                  "naive-logprobs": run_naive_logprobs}[method]
+    if method == "profile":
+        profiled = _profile(run, device)
+        if "error" not in profiled:
+            profiled.update(matmul_peak_tflops=matmul_peak_flops() / 1e12,
+                            attention_flops=attention_flops(model.config, B, S))
+        return dict(result, **profiled)
     start_mem, peak_mem = _memory_reader(device)
     try:
         sync()
@@ -248,13 +263,63 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
     seconds = min(times)
     if device.startswith("cuda"):
         peak_flops = matmul_peak_flops()
+        attention = attention_flops(model.config, B, S)
         result.update(matmul_peak_tflops=peak_flops / 1e12,
                       model_tflops=2 * result["parameters"] * B * S / seconds / 1e12,
-                      fraction_of_peak=2 * result["parameters"] * B * S / seconds / peak_flops)
+                      fraction_of_peak=2 * result["parameters"] * B * S / seconds / peak_flops,
+                      attention_flops=attention,
+                      fraction_of_peak_with_attention=(2 * result["parameters"] * B * S + attention)
+                      / seconds / peak_flops)
     return dict(result, seconds=seconds, seconds_median=statistics.median(times),
                 tokens_per_s=B * S / seconds, peak_extra_bytes=peak - base,
                 peak_total_bytes=peak, logprobs_sample=[float(x) for x in logprobs],
                 entropies_sample=None if entropies is None else [float(x) for x in entropies])
+
+
+def attention_flops(config, batch: int, seq: int) -> float:
+    """The causal attention's matmul FLOPs in one forward, which 2·params·tokens leaves out:
+    QKᵀ and PV are each 2·S·S·(heads·head_dim) per sequence and layer, halved by the causal mask.
+    At 2,048-token sequences this is 20% on top of 2·params·tokens for the 0.6B shape, 5% for 4B."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    width = config.num_attention_heads * head_dim
+    return 2 * 2 * batch * seq * seq * width / 2 * config.num_hidden_layers
+
+
+def _profile(run, device: str, top: int = 30) -> dict:
+    """Where one warm forward's GPU time goes: torch.profiler's kernels by device time, grouped
+    into matmuls, attention, Triton (fused elementwise and the statistics kernel) and the rest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not device.startswith("cuda"):
+        return dict(error="the profile method needs CUDA")
+    run()
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us > 0:
+            kernels.append(dict(name=event.key[:120], ms=us / 1e3, count=event.count))
+    kernels.sort(key=lambda k: -k["ms"])
+
+    def group(name: str) -> str:
+        low = name.lower()
+        if any(t in low for t in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul")):
+            return "matmul"
+        if any(t in low for t in ("flash", "fmha", "attention", "sdpa")):
+            return "attention"
+        if "triton" in low:
+            return "triton"
+        return "other"
+
+    groups: dict[str, float] = {}
+    for k in kernels:
+        groups[group(k["name"])] = groups.get(group(k["name"]), 0.0) + k["ms"]
+    return dict(device_ms=sum(k["ms"] for k in kernels), groups_ms=groups, kernels=kernels[:top])
 
 
 # ----------------------------------------------------------------------------- sweep (CUDA)
@@ -719,7 +784,7 @@ def main() -> None:
             row.pop("entropies_sample", None)
             results.append(row)
 
-    speed = [r for r in results if r["method"] != "numerics"]
+    speed = [r for r in results if r["method"] not in ("numerics", "profile")]
     table = Table(title=f"Teacher forcing on {args.device} at {args.precision}")
     for col in ("shape", "method", "chunk", "batch×seq", "tokens/s", "peak extra GiB",
                 "speed vs naive", "speed vs naive-lp", "peak vs naive", "peak vs naive-lp",
@@ -740,6 +805,12 @@ def main() -> None:
             _e(row.get("max_abs_logprob_diff_vs_naive")), _e(row.get("max_abs_entropy_diff_vs_naive")))
     console.print(table)
     for res in results:
+        if res["method"] == "profile" and "groups_ms" in res:
+            groups = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(res["groups_ms"].items(), key=lambda kv: -kv[1]))
+            console.print(f"{res['shape']} profile ({res.get('body', '')} body): {res['device_ms']:.1f} ms of "
+                          f"kernels: {groups}")
+            for k in res["kernels"][:12]:
+                console.print(f"    {k['ms']:8.2f} ms  ×{k['count']:<5} {k['name']}")
         if res["method"] != "numerics":
             continue
         if "error" in res:

@@ -582,13 +582,23 @@ TFB_ABSENT = (f"Not measured yet: `{TFB}` is absent (run the command above on a 
               "numerics and the verdict appear here once it is committed.")
 
 
+TFB_MORE = ("benchmarks/results/teacher_forcing-1.7b-cuda.json",)
+"""Runs of other shapes, in the same form (one device call cannot hold every shape's bodies)."""
+TF_MODES = "benchmarks/results/teacher_forcing-modes-cuda.json"
+TF_MODE_OF = {"engine-compiled": "default", "engine-compiled-autotune": "max-autotune-no-cudagraphs",
+              "engine-compiled-graphs": "reduce-overhead"}
+"""torch.compile's mode of each compiled row (benchmarks/teacher_forcing.py COMPILE_MODE_OF)."""
+
+
 def _tfb() -> tuple[dict, dict[tuple[str, str], dict], dict[str, dict]] | None:
-    """(meta, speed rows by (shape, method), numerics by shape), or None before the first run."""
+    """(meta, speed rows by (shape, method), numerics by shape), or None before the first run;
+    rows of ``TFB_MORE``'s files join the main file's, which wins where both have a row."""
     if not (ROOT / TFB).exists():
         return None
     data = load(TFB)
-    rows = {(r["shape"], r["method"]): r for r in data["results"] if r["method"] != "numerics"}
-    numerics = {r["shape"]: r for r in data["results"] if r["method"] == "numerics"}
+    results = [r for path in TFB_MORE if (ROOT / path).exists() for r in load(path)["results"]] + data["results"]
+    rows = {(r["shape"], r["method"]): r for r in results if r["method"] not in ("numerics", "profile")}
+    numerics = {r["shape"]: r for r in results if r["method"] == "numerics"}
     return data["meta"], rows, numerics
 
 
@@ -604,8 +614,10 @@ def _():
     if got is None:
         return TFB_ABSENT
     meta = got[0]
+    more = [provenance(path, load(path)["meta"]) for path in TFB_MORE if (ROOT / path).exists()]
     return (provenance(TFB, meta) + f" Liger-Kernel {meta.get('liger_kernel') or 'not installed'}; "
-            f"the default body on CUDA when this ran: `{meta['cuda_default_body']}`.")
+            f"the default body on CUDA when this ran: `{meta['cuda_default_body']}`."
+            + "".join("\n\nThe rows of the other shapes: " + m for m in more))
 
 
 @block("tfb-table")
@@ -733,6 +745,41 @@ def _():
     return (f"Verdict for the default body on CUDA, `{body}`:\n\n" + "\n".join(lines) + "\n\n"
             + ("Every check is met." if not failed else f"Not met on {', '.join(failed)}.")
             + " The fastest body that meets the numerics criterion, per shape: " + ", ".join(fastest) + ".")
+
+
+@block("tfb-roofline")
+def _():
+    """Where the compiled body's time goes (torch.profiler), and what that leaves for the peak."""
+    profiles = [r for path in (TF_MODES, *TFB_MORE) if (ROOT / path).exists()
+                for r in load(path)["results"] if r["method"] == "profile" and "groups_ms" in r]
+    if not profiles:
+        return f"Not measured yet: no profile row in `{TF_MODES}` or {', '.join(f'`{p}`' for p in TFB_MORE)}."
+    rows, notes = [], []
+    for p in profiles:
+        g = p["groups_ms"]
+        matmul_flops = 2 * p["parameters"] * p["tokens"]
+        att = p.get("attention_flops")
+        rows.append([SHAPES.get(p["shape"], p["shape"]), f"{p['device_ms']:.1f}",
+                     f"{g.get('matmul', 0):.1f} ({matmul_flops / g['matmul'] / 1e9:.0f} TFLOP/s)" if g.get("matmul") else "–",
+                     f"{g.get('attention', 0):.1f}" + (f" ({att / g['attention'] / 1e9:.0f} TFLOP/s)" if att and g.get("attention") else ""),
+                     f"{g.get('triton', 0):.1f}", f"{g.get('other', 0):.1f}",
+                     pct(matmul_flops / ((g.get("matmul", 0) + g.get("attention", 0)) / 1e3) / p["matmul_peak_tflops"] / 1e12)
+                     if "matmul_peak_tflops" in p else "–"])
+    modes = load(TF_MODES)["results"] if (ROOT / TF_MODES).exists() else []
+    for r in modes:
+        if r["method"].startswith("engine-compiled"):
+            mode = TF_MODE_OF.get(r["method"], r["method"])
+            if "error" in r:
+                lines = [x.strip() for x in r["error"].splitlines() if "Error" in x] or r["error"].strip().splitlines()
+                notes.append(f"`{mode}`: failed ({lines[-1][:200]})")
+            else:
+                notes.append(f"`{mode}`: {pct(r['fraction_of_peak'])} by 2·params·tokens, "
+                             f"{pct(r['fraction_of_peak_with_attention'])} counting attention's FLOPs too")
+    return (table(["shape", "kernels ms", "matmuls ms", "attention ms", "Triton (fused) ms", "other ms",
+                   "ceiling by 2·params·tokens"], list("lrrrrrr"), rows)
+            + ("\n\ntorch.compile modes of the compiled body on the 0.6B shape, each in its own process ("
+               + provenance(TF_MODES, load(TF_MODES)["meta"], inline=True) + "): " + "; ".join(notes) + "."
+               if notes else ""))
 
 
 # ---- MoE matrix ---------------------------------------------------------------------------------
@@ -1225,6 +1272,9 @@ def _():
 # ---- issue 18: the learner step (chunked head with its backward, FSDP2) -------------------------
 
 LEARNER_STEP = "benchmarks/results/learner_step-cuda.json"
+LEARNER_LAYOUT_ROW = "fsdp-2@kept-prefetch"
+"""The row whose FSDP2 layout the learner uses by default (trainer.fsdp_keep_gathered: layers and
+root kept gathered from forward to backward, one layer prefetched; train/learner.py)."""
 
 
 @block("learner-step-cuda")
@@ -1244,8 +1294,9 @@ def _():
         else:
             step = [f"error: {(r.get('error') or '?').splitlines()[-1][:80]}", "", "", ""]
         head = gib(r["head_peak_extra_bytes"]) if "head_peak_extra_bytes" in r else r.get("head_error", "–")[:60]
-        rows.append([bold(r["method"], r["method"] == "naive"), str(r.get("world_size", "")),
-                     str(r.get("chunk") or "–"), *step, head, ratio("head_peak_ratio_vs_naive", 3),
+        rows.append([bold(r["method"], r["method"] in ("naive", LEARNER_LAYOUT_ROW)), str(r.get("world_size", "")),
+                     str(r.get("chunk") or "–"), *step, gib(r["held_bytes"]) if "held_bytes" in r else "–",
+                     head, ratio("head_peak_ratio_vs_naive", 3),
                      ratio("step_rate_vs_fsdp_1"), ratio("step_rate_vs_chunked")])
     first = next((r for r in raw["results"] if "batch" in r), None)
     shape = "" if first is None else (
@@ -1254,7 +1305,8 @@ def _():
         f"{'on' if first.get('checkpointing') else 'off'}.\n\n")
     by_method = {r["method"]: r for r in raw["results"]}
     verdict = []
-    chunked, fsdp = by_method.get("chunked", {}), next(
+    chunked = by_method.get("chunked", {})
+    fsdp = by_method.get(LEARNER_LAYOUT_ROW) or next(
         (r for m, r in by_method.items() if m.startswith("fsdp-") and m != "fsdp-1"), {})
     if chunked.get("peak_extra_ratio_vs_naive") is not None:
         got = chunked["peak_extra_ratio_vs_naive"]
@@ -1262,11 +1314,12 @@ def _():
                        + ("met" if got <= 0.1 else "**missed**"))
     if fsdp.get("step_rate_vs_chunked") is not None:
         got = fsdp["step_rate_vs_chunked"]
-        verdict.append(f"FSDP2 on {fsdp.get('world_size')} GPUs steps at {times(got)} one GPU's rate (goal ≥ 1.8×): "
+        verdict.append(f"FSDP2 on {fsdp.get('world_size')} GPUs, in the layout the learner uses "
+                       f"(`{fsdp.get('layout', 'default')}`), steps at {times(got)} one GPU's rate (goal ≥ 1.8×): "
                        + ("met" if got >= 1.8 else "**missed**"))
     return (provenance(LEARNER_STEP, raw["meta"]) + "\n\n" + shape
-            + table(["method", "GPUs", "chunk", "step s", "steps/s", "peak extra GiB", "peak vs naive",
-                     "head GiB", "head vs naive", "rate vs fsdp-1", "rate vs chunked"], ["l"] + ["r"] * 10, rows)
+            + table(["method", "GPUs", "chunk", "step s", "steps/s", "peak extra GiB", "peak vs naive", "held GiB",
+                     "head GiB", "head vs naive", "rate vs fsdp-1", "rate vs chunked"], ["l"] + ["r"] * 11, rows)
             + ("\n\nAgainst issue 18's goals: " + "; ".join(verdict) + "." if verdict else ""))
 
 

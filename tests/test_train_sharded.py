@@ -26,7 +26,7 @@ ARGS = [f"model.path={json.dumps(str(MODEL))}", "optim.lr=1e-3", "algorithm.upda
         "algorithm.kl_coef=0.5", "algorithm.kl_kind=low_var_kl"]
 
 
-def _rank(rank: int, world_size: int, port: int, data_path: str, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, data_path: str, out: str, keep: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -37,7 +37,8 @@ def _rank(rank: int, world_size: int, port: int, data_path: str, out: str) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        learner = Learner(resolve(None, ARGS), mesh=init_device_mesh("cpu", (world_size,)))
+        learner = Learner(resolve(None, [*ARGS, f"trainer.fsdp_keep_gathered={str(keep).lower()}"]),
+                          mesh=init_device_mesh("cpu", (world_size,)))
         data = pickle.loads(Path(data_path).read_bytes())
         share = len(data) // world_size
         mine = data[rank * share:(rank + 1) * share]
@@ -55,10 +56,12 @@ def _rank(rank: int, world_size: int, port: int, data_path: str, out: str) -> No
 
 
 @pytest.mark.slow
-def test_two_ranks_take_the_single_process_update(tmp_path):
+@pytest.mark.parametrize("keep", [True, False], ids=["kept-gathered", "resharded"])
+def test_two_ranks_take_the_single_process_update(tmp_path, keep):
     """Ranks hold different token counts (token-mean weights them), the KL reference is sharded
     too, temperature ≠ 1, a second step scores its own π_old: the updated weights, the global
-    gradient norms and the published weights match one process's."""
+    gradient norms and the published weights match one process's, whether the policy keeps its
+    gathered weights from forward to backward (the default) or frees them after each forward."""
     from rollmarket.train.learner import Learner
 
     single = Learner(resolve(None, ARGS))
@@ -75,7 +78,7 @@ def test_two_ranks_take_the_single_process_update(tmp_path):
     (tmp_path / "data.pkl").write_bytes(pickle.dumps(data))
     before = {name: p.detach().clone() for name, p in single.model.named_parameters()}
     torch.multiprocessing.spawn(_rank, nprocs=2, join=True,
-                                args=(2, free_port(), str(tmp_path / "data.pkl"), str(tmp_path / "rank0.pkl")))
+                                args=(2, free_port(), str(tmp_path / "data.pkl"), str(tmp_path / "rank0.pkl"), keep))
     sharded = pickle.loads((tmp_path / "rank0.pkl").read_bytes())
     expected = [single.step(data, temperature=0.8),
                 single.step([replace(d, old_logprobs_T=None) for d in data], temperature=0.8)]

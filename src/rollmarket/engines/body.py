@@ -106,7 +106,10 @@ class BodyPatch:
     entry, so a compiled graph's guards (which check those very objects) hold from call to call.
     """
 
-    def __init__(self, decoder: torch.nn.Module, body: Body, *, kernels: Kernels | None = None):
+    def __init__(self, decoder: torch.nn.Module, body: Body, *, kernels: Kernels | None = None,
+                 compile_mode: str | None = None):
+        """``compile_mode``: ``torch.compile``'s mode for the compiled bodies (None: its default;
+        benchmarks/teacher_forcing.py measures the others)."""
         if body not in BODIES:
             raise BodyUnavailable(f"unknown body {body!r}; choose from {', '.join(BODIES)}")
         self.body = body
@@ -122,7 +125,7 @@ class BodyPatch:
             for layer in layers:
                 # Module.compile wraps _call_impl; keeping the wrapper and detaching it outside the
                 # span leaves the layer eager there (compilation itself happens on the first call).
-                layer.compile()
+                layer.compile(mode=compile_mode)
                 self._compiled.append((layer, layer._compiled_call_impl))
                 layer._compiled_call_impl = None
 

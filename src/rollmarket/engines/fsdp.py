@@ -40,7 +40,7 @@ from .teacher import TeacherForced, TrainerEngine
 _FORWARD_METHOD = "_rollmarket_teacher_force"
 
 
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mesh, *, layout: "ShardLayout | None" = None) -> torch.nn.Module:
     """Apply FSDP2 to every decoder layer, then to the root; returns the model (now sharded).
 
     Call it after ``apply_precision`` (``load_model`` does), with no ``MixedPrecisionPolicy``:
@@ -50,17 +50,46 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     bf16 values today, but only because its cast happens to round like ``apply_precision``; it
     would also keep float32 shards and all-gather twice the bytes, which a forward-only engine
     has no use for. (A training engine keeps float32 master weights and needs the policy.)
+
+    ``layout`` (default: ``ShardLayout()``, every unit freed after its forward) says which units
+    keep their gathered weights from forward to backward and how far ahead gathers are issued.
     """
     from torch.distributed.fsdp import fully_shard
 
+    layout = layout or ShardLayout()
     layers = _decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no model.layers to shard")
-    # Forward only: every unit, the root included, frees its gathered weights after its forward.
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=layout.reshard_layers)
+    fully_shard(model, mesh=mesh, reshard_after_forward=layout.reshard_root)
+    if layout.prefetch:
+        # Explicit prefetch: layer i's pre-forward hook issues the all-gathers of the next
+        # ``prefetch`` layers (and the backward's of the previous ones), so the copy engine runs
+        # ahead of compute even when the CPU does not (activation checkpointing, small layers).
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(list(layers[i + 1:i + 1 + layout.prefetch]))
+            layer.set_modules_to_backward_prefetch(list(layers[max(0, i - layout.prefetch):i][::-1]))
     return model
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How an FSDP2 model spends memory for overlap (``shard_model``).
+
+    The defaults free every unit's gathered weights after its forward (least memory: what a
+    forward-only engine wants). A training step gathers each unit again in the backward; keeping
+    the root (embeddings and lm-head: the largest single unit of a small model with a 152k
+    vocabulary) or every layer gathered from forward to backward trades that second all-gather for
+    the unit's full weights in memory (ZeRO-2 style for the layers).
+    """
+
+    reshard_layers: bool = True
+    """Free each decoder layer's gathered weights after its forward (gather again in backward)."""
+    reshard_root: bool = True
+    """Free the root's (embeddings, final norm, lm-head) gathered weights after its forward."""
+    prefetch: int = 0
+    """Decoder layers whose all-gathers a layer issues ahead of itself (0: FSDP2's implicit order)."""
 
 
 def _plan_batches(pairs: list[tuple[np.ndarray, np.ndarray]], max_batch_tokens: int) -> list[list[int]]:

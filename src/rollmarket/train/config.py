@@ -171,6 +171,12 @@ class TrainerSection(_Section):
         False, description="Keep only each decoder layer's input in the update's forward and recompute the layer in "
                            "the backward (transformers' gradient checkpointing): the body's activations drop from "
                            "every layer's to one layer's, for one more forward of the body.")
+    fsdp_keep_gathered: bool = Field(
+        True, description="With the learner sharded by FSDP2: keep each unit's gathered weights from the update's "
+                          "forward to its backward and all-gather the next layer ahead (one all-gather of the "
+                          "weights a step instead of two; ZeRO-2-like memory: the full weights are resident while a "
+                          "step runs). Off: free them after each forward (least memory, more communication). "
+                          "docs/benchmarks.md measures both.")
 
 
 class OptimSection(_Section):

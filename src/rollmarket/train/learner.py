@@ -82,9 +82,15 @@ class Learner:
         else:
             device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                       else torch.device(mesh.device_type))
-            for policy in (self.model, self.reference):
-                if policy is not None:
-                    shard_policy(policy, mesh, policy_token_stats)
+            from ..engines.fsdp import ShardLayout
+
+            # The policy trains (forward, then backward): keeping its gathered weights saves the
+            # backward's all-gathers. The frozen reference only runs forwards, so it frees them.
+            kept = ShardLayout(reshard_layers=False, reshard_root=False, prefetch=1)
+            shard_policy(self.model, mesh, policy_token_stats,
+                         layout=kept if config.trainer.fsdp_keep_gathered else None)
+            if self.reference is not None:
+                shard_policy(self.reference, mesh, policy_token_stats)
             self.loaded = replace(self.loaded, device=device)
         self.chunk = CHUNK
         params = [p for p in self.model.parameters() if p.requires_grad]

@@ -22,14 +22,15 @@ import torch.distributed as dist
 TOKEN_STATS_METHOD = "_rollmarket_token_stats"
 
 
-def shard_policy(model: torch.nn.Module, mesh, token_stats) -> torch.nn.Module:
-    """Shard ``model`` over ``mesh`` (one unit per decoder layer, the root for the rest) and
-    register ``token_stats(model, ...)`` as its forward method ``TOKEN_STATS_METHOD``."""
+def shard_policy(model: torch.nn.Module, mesh, token_stats, *, layout=None) -> torch.nn.Module:
+    """Shard ``model`` over ``mesh`` (one unit per decoder layer, the root for the rest; ``layout``:
+    an ``engines.fsdp.ShardLayout``) and register ``token_stats(model, ...)`` as its forward method
+    ``TOKEN_STATS_METHOD``."""
     from torch.distributed.fsdp import register_fsdp_forward_method
 
     from ..engines.fsdp import shard_model
 
-    shard_model(model, mesh)
+    shard_model(model, mesh, layout=layout)
     setattr(model, TOKEN_STATS_METHOD, lambda *args, **kw: token_stats(model, *args, **kw))
     register_fsdp_forward_method(model, TOKEN_STATS_METHOD)
     return model

@@ -6,7 +6,9 @@ tests protect: the Responses input renders to the same prompt as the equivalent 
 with the text and agree with what chat completions generates; tool calls become
 ``function_call`` items (driven by the echo engine, since random weights write none); bad bodies
 are OpenAI-shaped 400s; the proxy records a Responses call with its tokens and strips what it
-added.
+added; a multi-turn conversation, continued by `previous_response_id` or by repeating the output
+items, is captured as one conversation whose prompts are the served ones; a stream's deltas carry
+the tokens and logprobs the final response carries, and its capture equals the whole call's.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def test_a_streamed_tool_call_is_a_function_call_item(echo):  # noqa: F811
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": ""}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
 ])
 def test_bad_bodies_are_typed_400s(server, body, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -273,3 +275,131 @@ def test_a_responses_output_goes_back_as_the_next_input(echo, server, tokenizer)
                     "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": "391"}]
     assert training_fields(second.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, messages, [CALCULATOR])
+
+
+LINKED = dict(model=DENSE.name, instructions="Be brief.", max_output_tokens=4, temperature=0, extra_body=RL)
+QUESTIONS = ("Say hello.", "And again?", "Once more.")
+
+
+def _conversation(c: openai.OpenAI, *, by_id: bool) -> list:
+    """Three turns, continued by previous_response_id or by sending the output items back."""
+    answers, items = [], []
+    for question in QUESTIONS:
+        if by_id:
+            previous = {"previous_response_id": answers[-1].id} if answers else {}
+            answers.append(c.responses.create(input=question, **previous, **LINKED))
+        else:
+            items.append({"role": "user", "content": question})
+            answers.append(c.responses.create(input=items, **LINKED))
+            items += [item.model_dump(mode="json") for item in answers[-1].output]
+    return answers
+
+
+def _said(answers, turn: int) -> list[dict]:
+    """The chat messages the model is shown at `turn`, from what the client received."""
+    messages = [{"role": "system", "content": "Be brief."}]
+    for k in range(turn):
+        messages += [{"role": "user", "content": QUESTIONS[k]}, {"role": "assistant", "content": answers[k].output_text}]
+    return messages + [{"role": "user", "content": QUESTIONS[turn]}]
+
+
+@pytest.mark.parametrize("by_id", [True, False], ids=["previous_response_id", "repeated_items"])
+def test_a_three_turn_responses_conversation_is_one_captured_conversation(proxy, tokenizer, by_id):
+    mark = proxy.mark()
+    answers = _conversation(client(proxy.url), by_id=by_id)
+    captures = proxy.since(mark)
+    assert len(captures) == 3 and len({c.conversation_id for c in captures}) == 1
+    assert [c.turn_index for c in captures] == [0, 1, 2]
+    assert [c.parent_capture_id for c in captures] == [None, captures[0].capture_id, captures[1].capture_id]
+    linked = "previous_response" if by_id else "prefix"
+    assert [c.conversation_source.value for c in captures] == ["root", linked, linked]
+    for turn, (capture, answer) in enumerate(zip(captures, answers)):
+        served = training_fields(answer.output[-1])
+        # The served prompt is the whole conversation so far, under the chat template.
+        assert served["prompt_token_ids"] == chat_ids(tokenizer, _said(answers, turn))
+        assert capture.prompt_token_ids.tolist() == served["prompt_token_ids"]
+        assert capture.choices[0].response_token_ids.tolist() == served["generation_token_ids"]
+        assert capture.choices[0].logprobs.tolist() == pytest.approx(served["generation_log_probs"], abs=1e-6)
+        assert [(m["role"], m["content"].strip()) for m in capture.messages] == \
+            [(m["role"], m["content"].strip()) for m in _said(answers, turn)]
+
+
+def test_both_ways_of_continuing_serve_the_same_prompts(server):
+    by_id = _conversation(client(server.url), by_id=True)
+    repeated = _conversation(client(server.url), by_id=False)
+    assert [training_fields(a.output[-1]) for a in by_id] == [training_fields(a.output[-1]) for a in repeated]
+
+
+def test_an_unknown_or_unstored_previous_response_is_a_404_that_changes_nothing(proxy, server):
+    c = client(proxy.url)
+    first = c.responses.create(input=QUESTIONS[0], **LINKED)
+    unstored = c.responses.create(input=QUESTIONS[0], store=False, **LINKED)
+    mark = proxy.mark()
+    for rid in ("resp_no_such_response", unstored.id):
+        with pytest.raises(openai.NotFoundError) as caught:
+            c.responses.create(input=QUESTIONS[1], previous_response_id=rid, **LINKED)
+        assert caught.value.body == {"message": f"Previous response with id '{rid}' not found.",
+                                     "type": "invalid_request_error", "param": "previous_response_id",
+                                     "code": "previous_response_not_found"}
+    refused = proxy.since(mark)
+    assert [(c.status_code, c.outcome.value, c.conversation_source.value) for c in refused] == \
+        [(404, "upstream_error", "root")] * 2
+    assert all("was not captured here" in " ".join(c.notes) for c in refused)
+    # The refusals neither stored a response nor dropped one: the first still goes on, and its
+    # continuation links to it and to nothing else.
+    mark = proxy.mark()
+    second = c.responses.create(input=QUESTIONS[1], previous_response_id=first.id, **LINKED)
+    (capture,) = proxy.since(mark)
+    assert capture.turn_index == 1 and capture.conversation_source.value == "previous_response"
+    assert capture.prompt_token_ids.tolist() == training_fields(second.output[-1])["prompt_token_ids"]
+    with pytest.raises(openai.NotFoundError):
+        client(server.url).responses.create(input=QUESTIONS[1], previous_response_id="resp_" + "0" * 24, **LINKED)
+
+
+def _streamed(c: openai.OpenAI, **kwargs) -> tuple[list, object]:
+    deltas, final = [], None
+    for event in c.responses.create(stream=True, **kwargs):
+        if event.type == "response.output_text.delta":
+            deltas.append(event)
+        elif event.type == "response.completed":
+            final = event.response
+    return deltas, final
+
+
+def test_stream_deltas_carry_the_logprobs_and_tokens_of_the_final_response(server):
+    kwargs = dict(model=DENSE.name, input="What is 17 * 23?", max_output_tokens=8, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2, extra_body=RL)
+    deltas, final = _streamed(client(server.url), **kwargs)
+    part, fields = final.output[0].content[0], training_fields(final.output[-1])
+    entries = [entry for delta in deltas for entry in delta.logprobs]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in part.logprobs]
+    assert [[t.logprob for t in e.top_logprobs] for e in entries] == \
+        [[t.logprob for t in e.top_logprobs] for e in part.logprobs]
+    ids = [t for delta in deltas for t in delta.model_extra["generation_token_ids"]]
+    logprobs = [lp for delta in deltas for lp in delta.model_extra["generation_log_probs"]]
+    assert ids == fields["generation_token_ids"] and logprobs == fields["generation_log_probs"]
+    assert "".join(delta.delta for delta in deltas) == final.output_text
+    # Without `include` or top_logprobs a delta's logprobs stay empty, as OpenAI sends them.
+    plain, _ = _streamed(client(server.url), model=DENSE.name, input="What is 17 * 23?", max_output_tokens=8)
+    assert all(delta.logprobs == [] and "generation_token_ids" not in (delta.model_extra or {}) for delta in plain)
+
+
+def test_a_streamed_responses_capture_equals_the_whole_one(proxy):
+    kwargs = dict(model=DENSE.name, input="Say hello.", instructions="Be brief.", max_output_tokens=6,
+                  temperature=0)
+    c = client(proxy.url)
+    mark = proxy.mark()
+    whole = c.responses.create(**kwargs)
+    deltas, final = _streamed(c, **kwargs)
+    assert final.output_text == whole.output_text
+    assert all("generation_token_ids" not in (delta.model_extra or {}) for delta in deltas)  # stripped
+    whole_capture, streamed = proxy.since(mark)
+    assert streamed.stream and not whole_capture.stream
+    same = ("prompt_token_ids", "messages", "turn_index", "augmented")
+    assert {k: getattr(streamed, k) for k in same if k != "prompt_token_ids"} == \
+        {k: getattr(whole_capture, k) for k in same if k != "prompt_token_ids"}
+    assert streamed.prompt_token_ids.tolist() == whole_capture.prompt_token_ids.tolist()
+    a, b = streamed.choices[0], whole_capture.choices[0]
+    assert (a.content, a.finish_reason, a.response_token_ids.tolist()) == \
+        (b.content, b.finish_reason, b.response_token_ids.tolist())
+    assert a.logprobs.tolist() == pytest.approx(b.logprobs.tolist(), abs=1e-6)

@@ -20,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 import transformers
-from helpers import ServiceProcess
+from helpers import ServiceProcess, wait_until
 from test_proxy import ProxyProcess
 from test_serve import CALCULATOR, CALL_TEXT, chat_ids, echo  # noqa: F401  (echo is a fixture)
 
@@ -403,3 +403,63 @@ def test_a_streamed_responses_capture_equals_the_whole_one(proxy):
     assert (a.content, a.finish_reason, a.response_token_ids.tolist()) == \
         (b.content, b.finish_reason, b.response_token_ids.tolist())
     assert a.logprobs.tolist() == pytest.approx(b.logprobs.tolist(), abs=1e-6)
+
+
+def test_a_tool_loop_links_by_previous_response_id_and_by_repeated_items(echo, workdir, tokenizer):  # noqa: F811
+    """The agent's loop through the proxy: a message and a function call, then the tool's output,
+    sent alone after `previous_response_id` or after the repeated items; both continue turn 1."""
+    proxy = ProxyProcess(str(echo.base_url).rstrip("/").removesuffix("/v1"), workdir / "tools.db",
+                         workdir / "tools-proxy.log")
+    proxy.start()
+    try:
+        c = client(proxy.url)
+        said = "I will use the calculator.\n" + CALL_TEXT
+        first = c.responses.create(model=DENSE.name, input=[{"role": "user", "content": said}], tools=[TOOL],
+                                   extra_body=RL)
+        message, call = first.output
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "391"}
+        by_id = c.responses.create(model=DENSE.name, input=[result], previous_response_id=first.id, tools=[TOOL],
+                                   extra_body=RL)
+        repeated = c.responses.create(model=DENSE.name, tools=[TOOL], extra_body=RL, input=[
+            {"role": "user", "content": said}, *(item.model_dump(mode="json") for item in first.output), result])
+        root, *continued = proxy.since(0)
+    finally:
+        proxy.stop()
+    assert root.choices[0].finish_reason == "tool_calls" and root.choices[0].tool_calls[0].name == "calculator"
+    messages = [{"role": "user", "content": said},
+                {"role": "assistant", "content": "I will use the calculator.", "tool_calls": [{
+                    "id": call.call_id, "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "391"}]
+    expected = chat_ids(tokenizer, messages, [CALCULATOR])
+    assert training_fields(by_id.output[-1])["prompt_token_ids"] == expected
+    assert training_fields(repeated.output[-1])["prompt_token_ids"] == expected
+    assert [c.conversation_source.value for c in continued] == ["previous_response", "prefix"]
+    for capture in continued:
+        assert (capture.conversation_id, capture.parent_capture_id, capture.turn_index) == \
+            (root.conversation_id, root.capture_id, 1)
+        assert capture.prompt_token_ids.tolist() == expected
+        assert [(m["role"], [t["function"]["name"] for t in m.get("tool_calls") or ()]) for m in capture.messages] \
+            == [("user", []), ("assistant", ["calculator"]), ("tool", [])]
+
+
+def test_a_stream_cut_short_keeps_the_tokens_its_deltas_carried(proxy):
+    """The client goes away after the first delta: the capture holds what the deltas carried, the
+    beginning of what the whole call generates from the same prompt."""
+    kwargs = dict(model=DENSE.name, input="Count to a thousand.", max_output_tokens=600, temperature=0,
+                  extra_body={**RL, "ignore_eos": True})
+    c = client(proxy.url)
+    mark = proxy.mark()
+    seen = []
+    with c.responses.create(stream=True, **kwargs) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                seen += event.model_extra["generation_token_ids"]
+                break
+    wait_until("the cut stream's capture", lambda: proxy.since(mark))
+    (cut,) = proxy.since(mark)
+    assert cut.outcome.value == "client_disconnected"
+    ids = cut.choices[0].response_token_ids.tolist()
+    assert len(seen) >= 1 and ids[:len(seen)] == seen and len(cut.choices[0].logprobs) == len(ids) < 600
+    whole = training_fields(c.responses.create(**kwargs).output[-1])["generation_token_ids"]
+    assert whole[:len(ids)] == ids

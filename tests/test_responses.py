@@ -328,6 +328,24 @@ def test_both_ways_of_continuing_serve_the_same_prompts(server):
     by_id = _conversation(client(server.url), by_id=True)
     repeated = _conversation(client(server.url), by_id=False)
     assert [training_fields(a.output[-1]) for a in by_id] == [training_fields(a.output[-1]) for a in repeated]
+    assert [a.previous_response_id for a in by_id] == [None, by_id[0].id, by_id[1].id]
+
+
+def test_the_oldest_stored_responses_go_first():
+    from rollmarket.serve.protocol import OpenAIError
+    from rollmarket.serve.responses import StoredResponses
+
+    stored = StoredResponses(2)
+    for k in range(3):
+        stored.put(f"resp_{k}", [{"role": "user", "content": str(k)}])
+    assert stored.get("resp_2") == [{"role": "user", "content": "2"}] and stored.get("resp_1")
+    with pytest.raises(OpenAIError) as caught:
+        stored.get("resp_0")
+    assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
+    nothing = StoredResponses(0)
+    nothing.put("resp_0", [])
+    with pytest.raises(OpenAIError):
+        nothing.get("resp_0")
 
 
 def test_an_unknown_or_unstored_previous_response_is_a_404_that_changes_nothing(proxy, server):

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..contracts import upstream
 from ..contracts.arrays import LOGPROBS, ROUTED_EXPERTS, TOKEN_IDS, ArraySpec
-from ..contracts.responses import ResponsesInputError, input_messages
 from ..contracts.capture import (
     Capture,
     CapturedChoice,
@@ -29,6 +28,7 @@ from ..contracts.capture import (
     CaptureTimings,
     ConversationSource,
 )
+from ..contracts.responses import ResponsesInputError, input_messages
 from . import linking
 from .augment import CHAT, COMPLETIONS, RESPONSES
 

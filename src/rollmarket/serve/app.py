@@ -391,7 +391,7 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         earlier = server.stored.get(req.previous_response_id) if req.previous_response_id else []
         turns = [*earlier, *input_turns(req)]
         tools = chat_tools(req) if req.tool_choice != "none" else None
-        prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req, earlier), tools, "input")
+        prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req, turns), tools, "input")
         want_logprobs = LOGPROBS_INCLUDE in (req.include or ()) or bool(req.top_logprobs)
         params = server._params(req, max_tokens=req.max_output_tokens, prompt_len=len(prompt),
                                 top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)

@@ -62,11 +62,11 @@ def input_turns(req: ResponsesRequest) -> list[dict[str, Any]]:
         raise OpenAIError(str(exc), param="input") from None
 
 
-def chat_messages(req: ResponsesRequest, earlier: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-    """The chat messages a Responses request stands for: instructions first, then the turns of
-    the response it continues (`earlier`), then its input items."""
+def chat_messages(req: ResponsesRequest, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages a Responses request stands for: its instructions, then its `turns` (those
+    of the response it continues, then its input items)."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    messages += [*earlier, *input_turns(req)]
+    messages += turns
     if not messages:
         raise OpenAIError("input has no messages", param="input")
     return messages
@@ -121,6 +121,7 @@ def response_body(req: ResponsesRequest, *, rid: str, created: int, model: str, 
         "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
         "metadata": {}, "text": {"format": {"type": "text"}},
+        "previous_response_id": req.previous_response_id, "store": req.store,
         "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": len(prompt) + output_tokens},

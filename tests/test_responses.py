@@ -6,7 +6,9 @@ tests protect: the Responses input renders to the same prompt as the equivalent 
 with the text and agree with what chat completions generates; tool calls become
 ``function_call`` items (driven by the echo engine, since random weights write none); bad bodies
 are OpenAI-shaped 400s; the proxy records a Responses call with its tokens and strips what it
-added.
+added; a multi-turn conversation, continued by `previous_response_id` or by repeating the output
+items, is captured as one conversation whose prompts are the served ones; a stream's deltas carry
+the tokens and logprobs the final response carries, and its capture equals the whole call's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 import transformers
-from helpers import ServiceProcess
+from helpers import ServiceProcess, wait_until
 from test_proxy import ProxyProcess
 from test_serve import CALCULATOR, CALL_TEXT, chat_ids, echo  # noqa: F401  (echo is a fixture)
 
@@ -169,7 +171,7 @@ def test_a_streamed_tool_call_is_a_function_call_item(echo):  # noqa: F811
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": ""}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation"),
 ])
 def test_bad_bodies_are_typed_400s(server, body, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -273,3 +275,209 @@ def test_a_responses_output_goes_back_as_the_next_input(echo, server, tokenizer)
                     "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
                 {"role": "tool", "tool_call_id": call.call_id, "content": "391"}]
     assert training_fields(second.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, messages, [CALCULATOR])
+
+
+LINKED = dict(model=DENSE.name, instructions="Be brief.", max_output_tokens=4, temperature=0, extra_body=RL)
+QUESTIONS = ("Say hello.", "And again?", "Once more.")
+
+
+def _conversation(c: openai.OpenAI, *, by_id: bool) -> list:
+    """Three turns, continued by previous_response_id or by sending the output items back."""
+    answers, items = [], []
+    for question in QUESTIONS:
+        if by_id:
+            previous = {"previous_response_id": answers[-1].id} if answers else {}
+            answers.append(c.responses.create(input=question, **previous, **LINKED))
+        else:
+            items.append({"role": "user", "content": question})
+            answers.append(c.responses.create(input=items, **LINKED))
+            items += [item.model_dump(mode="json") for item in answers[-1].output]
+    return answers
+
+
+def _said(answers, turn: int) -> list[dict]:
+    """The chat messages the model is shown at `turn`, from what the client received."""
+    messages = [{"role": "system", "content": "Be brief."}]
+    for k in range(turn):
+        messages += [{"role": "user", "content": QUESTIONS[k]}, {"role": "assistant", "content": answers[k].output_text}]
+    return messages + [{"role": "user", "content": QUESTIONS[turn]}]
+
+
+@pytest.mark.parametrize("by_id", [True, False], ids=["previous_response_id", "repeated_items"])
+def test_a_three_turn_responses_conversation_is_one_captured_conversation(proxy, tokenizer, by_id):
+    mark = proxy.mark()
+    answers = _conversation(client(proxy.url), by_id=by_id)
+    captures = proxy.since(mark)
+    assert len(captures) == 3 and len({c.conversation_id for c in captures}) == 1
+    assert [c.turn_index for c in captures] == [0, 1, 2]
+    assert [c.parent_capture_id for c in captures] == [None, captures[0].capture_id, captures[1].capture_id]
+    linked = "previous_response" if by_id else "prefix"
+    assert [c.conversation_source.value for c in captures] == ["root", linked, linked]
+    for turn, (capture, answer) in enumerate(zip(captures, answers)):
+        served = training_fields(answer.output[-1])
+        # The served prompt is the whole conversation so far, under the chat template.
+        assert served["prompt_token_ids"] == chat_ids(tokenizer, _said(answers, turn))
+        assert capture.prompt_token_ids.tolist() == served["prompt_token_ids"]
+        assert capture.choices[0].response_token_ids.tolist() == served["generation_token_ids"]
+        assert capture.choices[0].logprobs.tolist() == pytest.approx(served["generation_log_probs"], abs=1e-6)
+        assert [(m["role"], m["content"].strip()) for m in capture.messages] == \
+            [(m["role"], m["content"].strip()) for m in _said(answers, turn)]
+
+
+def test_both_ways_of_continuing_serve_the_same_prompts(server):
+    by_id = _conversation(client(server.url), by_id=True)
+    repeated = _conversation(client(server.url), by_id=False)
+    assert [training_fields(a.output[-1]) for a in by_id] == [training_fields(a.output[-1]) for a in repeated]
+    assert [a.previous_response_id for a in by_id] == [None, by_id[0].id, by_id[1].id]
+
+
+def test_the_oldest_stored_responses_go_first():
+    from rollmarket.serve.protocol import OpenAIError
+    from rollmarket.serve.responses import StoredResponses
+
+    stored = StoredResponses(2)
+    for k in range(3):
+        stored.put(f"resp_{k}", [{"role": "user", "content": str(k)}])
+    assert stored.get("resp_2") == [{"role": "user", "content": "2"}] and stored.get("resp_1")
+    with pytest.raises(OpenAIError) as caught:
+        stored.get("resp_0")
+    assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
+    nothing = StoredResponses(0)
+    nothing.put("resp_0", [])
+    with pytest.raises(OpenAIError):
+        nothing.get("resp_0")
+
+
+def test_an_unknown_or_unstored_previous_response_is_a_404_that_changes_nothing(proxy, server):
+    c = client(proxy.url)
+    first = c.responses.create(input=QUESTIONS[0], **LINKED)
+    unstored = c.responses.create(input=QUESTIONS[0], store=False, **LINKED)
+    mark = proxy.mark()
+    for rid in ("resp_no_such_response", unstored.id):
+        with pytest.raises(openai.NotFoundError) as caught:
+            c.responses.create(input=QUESTIONS[1], previous_response_id=rid, **LINKED)
+        assert caught.value.body == {"message": f"Previous response with id '{rid}' not found.",
+                                     "type": "invalid_request_error", "param": "previous_response_id",
+                                     "code": "previous_response_not_found"}
+    refused = proxy.since(mark)
+    assert [(c.status_code, c.outcome.value, c.conversation_source.value) for c in refused] == \
+        [(404, "upstream_error", "root")] * 2
+    assert all("was not captured here" in " ".join(c.notes) for c in refused)
+    # The refusals neither stored a response nor dropped one: the first still goes on, and its
+    # continuation links to it and to nothing else.
+    mark = proxy.mark()
+    second = c.responses.create(input=QUESTIONS[1], previous_response_id=first.id, **LINKED)
+    (capture,) = proxy.since(mark)
+    assert capture.turn_index == 1 and capture.conversation_source.value == "previous_response"
+    assert capture.prompt_token_ids.tolist() == training_fields(second.output[-1])["prompt_token_ids"]
+    with pytest.raises(openai.NotFoundError):
+        client(server.url).responses.create(input=QUESTIONS[1], previous_response_id="resp_" + "0" * 24, **LINKED)
+
+
+def _streamed(c: openai.OpenAI, **kwargs) -> tuple[list, object]:
+    deltas, final = [], None
+    for event in c.responses.create(stream=True, **kwargs):
+        if event.type == "response.output_text.delta":
+            deltas.append(event)
+        elif event.type == "response.completed":
+            final = event.response
+    return deltas, final
+
+
+def test_stream_deltas_carry_the_logprobs_and_tokens_of_the_final_response(server):
+    kwargs = dict(model=DENSE.name, input="What is 17 * 23?", max_output_tokens=8, temperature=0,
+                  include=["message.output_text.logprobs"], top_logprobs=2, extra_body=RL)
+    deltas, final = _streamed(client(server.url), **kwargs)
+    part, fields = final.output[0].content[0], training_fields(final.output[-1])
+    entries = [entry for delta in deltas for entry in delta.logprobs]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in part.logprobs]
+    assert [[t.logprob for t in e.top_logprobs] for e in entries] == \
+        [[t.logprob for t in e.top_logprobs] for e in part.logprobs]
+    ids = [t for delta in deltas for t in delta.model_extra["generation_token_ids"]]
+    logprobs = [lp for delta in deltas for lp in delta.model_extra["generation_log_probs"]]
+    assert ids == fields["generation_token_ids"] and logprobs == fields["generation_log_probs"]
+    assert "".join(delta.delta for delta in deltas) == final.output_text
+    # Without `include` or top_logprobs a delta's logprobs stay empty, as OpenAI sends them.
+    plain, _ = _streamed(client(server.url), model=DENSE.name, input="What is 17 * 23?", max_output_tokens=8)
+    assert all(delta.logprobs == [] and "generation_token_ids" not in (delta.model_extra or {}) for delta in plain)
+
+
+def test_a_streamed_responses_capture_equals_the_whole_one(proxy):
+    kwargs = dict(model=DENSE.name, input="Say hello.", instructions="Be brief.", max_output_tokens=6,
+                  temperature=0)
+    c = client(proxy.url)
+    mark = proxy.mark()
+    whole = c.responses.create(**kwargs)
+    deltas, final = _streamed(c, **kwargs)
+    assert final.output_text == whole.output_text
+    assert all("generation_token_ids" not in (delta.model_extra or {}) for delta in deltas)  # stripped
+    whole_capture, streamed = proxy.since(mark)
+    assert streamed.stream and not whole_capture.stream
+    same = ("prompt_token_ids", "messages", "turn_index", "augmented")
+    assert {k: getattr(streamed, k) for k in same if k != "prompt_token_ids"} == \
+        {k: getattr(whole_capture, k) for k in same if k != "prompt_token_ids"}
+    assert streamed.prompt_token_ids.tolist() == whole_capture.prompt_token_ids.tolist()
+    a, b = streamed.choices[0], whole_capture.choices[0]
+    assert (a.content, a.finish_reason, a.response_token_ids.tolist()) == \
+        (b.content, b.finish_reason, b.response_token_ids.tolist())
+    assert a.logprobs.tolist() == pytest.approx(b.logprobs.tolist(), abs=1e-6)
+
+
+def test_a_tool_loop_links_by_previous_response_id_and_by_repeated_items(echo, workdir, tokenizer):  # noqa: F811
+    """The agent's loop through the proxy: a message and a function call, then the tool's output,
+    sent alone after `previous_response_id` or after the repeated items; both continue turn 1."""
+    proxy = ProxyProcess(str(echo.base_url).rstrip("/").removesuffix("/v1"), workdir / "tools.db",
+                         workdir / "tools-proxy.log")
+    proxy.start()
+    try:
+        c = client(proxy.url)
+        said = "I will use the calculator.\n" + CALL_TEXT
+        first = c.responses.create(model=DENSE.name, input=[{"role": "user", "content": said}], tools=[TOOL],
+                                   extra_body=RL)
+        message, call = first.output
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "391"}
+        by_id = c.responses.create(model=DENSE.name, input=[result], previous_response_id=first.id, tools=[TOOL],
+                                   extra_body=RL)
+        repeated = c.responses.create(model=DENSE.name, tools=[TOOL], extra_body=RL, input=[
+            {"role": "user", "content": said}, *(item.model_dump(mode="json") for item in first.output), result])
+        root, *continued = proxy.since(0)
+    finally:
+        proxy.stop()
+    assert root.choices[0].finish_reason == "tool_calls" and root.choices[0].tool_calls[0].name == "calculator"
+    messages = [{"role": "user", "content": said},
+                {"role": "assistant", "content": "I will use the calculator.", "tool_calls": [{
+                    "id": call.call_id, "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": "17 * 23"}}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "391"}]
+    expected = chat_ids(tokenizer, messages, [CALCULATOR])
+    assert training_fields(by_id.output[-1])["prompt_token_ids"] == expected
+    assert training_fields(repeated.output[-1])["prompt_token_ids"] == expected
+    assert [c.conversation_source.value for c in continued] == ["previous_response", "prefix"]
+    for capture in continued:
+        assert (capture.conversation_id, capture.parent_capture_id, capture.turn_index) == \
+            (root.conversation_id, root.capture_id, 1)
+        assert capture.prompt_token_ids.tolist() == expected
+        assert [(m["role"], [t["function"]["name"] for t in m.get("tool_calls") or ()]) for m in capture.messages] \
+            == [("user", []), ("assistant", ["calculator"]), ("tool", [])]
+
+
+def test_a_stream_cut_short_keeps_the_tokens_its_deltas_carried(proxy):
+    """The client goes away after the first delta: the capture holds what the deltas carried, the
+    beginning of what the whole call generates from the same prompt."""
+    kwargs = dict(model=DENSE.name, input="Count to a thousand.", max_output_tokens=600, temperature=0,
+                  extra_body={**RL, "ignore_eos": True})
+    c = client(proxy.url)
+    mark = proxy.mark()
+    seen = []
+    with c.responses.create(stream=True, **kwargs) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                seen += event.model_extra["generation_token_ids"]
+                break
+    wait_until("the cut stream's capture", lambda: proxy.since(mark))
+    (cut,) = proxy.since(mark)
+    assert cut.outcome.value == "client_disconnected"
+    ids = cut.choices[0].response_token_ids.tolist()
+    assert len(seen) >= 1 and ids[:len(seen)] == seen and len(cut.choices[0].logprobs) == len(ids) < 600
+    whole = training_fields(c.responses.create(**kwargs).output[-1])["generation_token_ids"]
+    assert whole[:len(ids)] == ids

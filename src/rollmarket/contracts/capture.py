@@ -40,8 +40,10 @@ class ConversationSource(str, Enum):
     """The client named it in the conversation header."""
     prefix = "prefix"
     """The request's messages continue an earlier capture's messages and reply (see `prefix_hash`)."""
+    previous_response = "previous_response"
+    """A Responses call names, as `previous_response_id`, the answer of an earlier capture."""
     root = "root"
-    """Neither: this call starts a conversation, whose id derives from its capture id."""
+    """None of these: this call starts a conversation, whose id derives from its capture id."""
 
 
 class CapturedToolCall(Record):

@@ -28,8 +28,9 @@ from ..contracts.capture import (
     CaptureTimings,
     ConversationSource,
 )
+from ..contracts.responses import ResponsesInputError, input_messages
 from . import linking
-from .augment import CHAT, RESPONSES
+from .augment import CHAT, COMPLETIONS, RESPONSES
 
 log = logging.getLogger(__name__)
 
@@ -134,22 +135,55 @@ class CaptureDraft:
     prompt_logprobs: Any = None
     sgl_experts: Any = None
     """SGLang's routed experts at the top of the answer (`sglext`), which are the first choice's."""
+    response_id: str | None = None
+    """The id of a Responses answer, which a next call may name as `previous_response_id`."""
+    earlier: list[Any] | None = None
+    """The turns (chat messages) of the response a Responses call continues, resolved by the store."""
+
+    @property
+    def previous_response_id(self) -> str | None:
+        previous = (self.request or {}).get("previous_response_id") if self.endpoint == RESPONSES else None
+        return previous if isinstance(previous, str) else None
+
+    def _responses_turns(self) -> list[Any] | None:
+        """A Responses call's conversation without its instructions: the turns it continues, then
+        its input items read as chat messages (None when they cannot be read; the upstream judges)."""
+        try:
+            return [*(self.earlier or ()), *input_messages((self.request or {}).get("input"))]
+        except ResponsesInputError:
+            return None
 
     @property
     def messages(self) -> list[Any] | None:
+        """The call's chat messages; for a Responses call, the ones the model is shown (instructions
+        as the system message, the turns `previous_response_id` names, the input items)."""
+        if self.endpoint == RESPONSES:
+            turns = self._responses_turns()
+            instructions = (self.request or {}).get("instructions")
+            if turns is None or not (instructions and isinstance(instructions, str)):
+                return turns
+            return [{"role": "system", "content": instructions}, *turns]
         messages = (self.request or {}).get("messages")
         return messages if isinstance(messages, list) else None
+
+    def _reply(self, choice: _Choice) -> dict[str, Any]:
+        return linking.reply_message(choice.text(), [(name, arguments) for _, name, arguments in choice.calls()])
+
+    def responses_turns(self) -> list[Any] | None:
+        """What a call naming this response as `previous_response_id` continues: the turns and the
+        reply; None for anything but an answered Responses call the upstream keeps (`store`)."""
+        if self.endpoint != RESPONSES or not self.response_id or self.outcome is not CaptureOutcome.ok \
+                or not self.choices or (self.request or {}).get("store") is False:
+            return None
+        turns = self._responses_turns()
+        return None if turns is None else [*turns, self._reply(self.choices[0])]
 
     def reply_keys(self) -> list[tuple[int, str]]:
         """(choice index, key) for every choice a next turn may continue."""
         messages = self.messages
-        if messages is None or self.endpoint != CHAT or self.outcome is not CaptureOutcome.ok:
+        if messages is None or self.endpoint == COMPLETIONS or self.outcome is not CaptureOutcome.ok:
             return []
-        return [
-            (choice.index, linking.reply_key(messages, linking.reply_message(
-                choice.text(), [(name, arguments) for _, name, arguments in choice.calls()])))
-            for choice in self.choices
-        ]
+        return [(choice.index, linking.reply_key(messages, self._reply(choice))) for choice in self.choices]
 
 
 class CallRecorder:
@@ -173,6 +207,7 @@ class CallRecorder:
         self.sgl_experts: Any = None
         self.notes: list[str] = []
         self.saw_output = False
+        self.response_id: str | None = None
         self._choices: dict[int, _Choice] = {}
 
     def _choice(self, index: int) -> _Choice:
@@ -223,6 +258,8 @@ class CallRecorder:
     def _output_items(self, body: dict[str, Any]) -> None:
         """A Responses answer is one choice: its message text, its function calls, and NeMo Gym's
         token fields on the item that carries them."""
+        if isinstance(body.get("id"), str):
+            self.response_id = body["id"]
         state = self._choice(0)
         calls = []
         for item in body.get("output") or ():
@@ -252,15 +289,36 @@ class CallRecorder:
 
     def _response_event(self, event: dict[str, Any]) -> None:
         """One event of a streamed Response: the last (`response.completed`, or `.incomplete`,
-        `.failed`) holds the whole Response, which is what gets recorded."""
+        `.failed`) holds the whole Response, which is what gets recorded; until it comes, the text
+        deltas' tokens are, so that a stream cut short keeps what it carried."""
         kind = event.get("type") or ""
         if kind.endswith(".delta"):
             self.saw_output = True
+        if kind == "response.output_text.delta":
+            self._text_delta(event)
         response = event.get("response")
         if kind in ("response.completed", "response.incomplete", "response.failed") and isinstance(response, dict):
+            self._choices.pop(0, None)  # the whole Response replaces what the deltas built
             self.response(response)
         elif kind == "error":
             self.error = {key: event.get(key) for key in ("message", "code", "param")}
+
+    def _text_delta(self, event: dict[str, Any]) -> None:
+        state = self._choice(0)
+        if isinstance(event.get("delta"), str):
+            state.content.append(event["delta"])
+        ids = event.get("generation_token_ids")
+        if not isinstance(ids, list) or not ids:
+            return
+        state.token_ids.extend(ids)
+        logprobs = event.get("generation_log_probs")
+        if isinstance(logprobs, list):
+            state.logprobs.extend(logprobs)
+        else:
+            state.logprobs_missing = True
+        experts = event.get("routed_experts")
+        if isinstance(experts, list):
+            state.experts.extend(experts)
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         """One streamed chunk."""
@@ -297,7 +355,7 @@ class CallRecorder:
             prompt_token_ids=self.prompt_token_ids,
             choices=[self._choices[i] for i in sorted(self._choices)], usage=self.usage,
             error=error if error is not None else self.error, notes=self.notes,
-            prompt_logprobs=self.prompt_logprobs, sgl_experts=self.sgl_experts,
+            prompt_logprobs=self.prompt_logprobs, sgl_experts=self.sgl_experts, response_id=self.response_id,
         )
 
 

@@ -52,6 +52,9 @@ class ResponsesCall(_Generation):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
+    previous_response_id: str | None = Field(
+        None, description="Links the capture to the one whose answer had this id (the upstream keeps the turns).")
+    store: bool | None = Field(None, description="`false`: the upstream keeps no turns, and no call may link to this one.")
 
 
 _ERROR_SCHEMA: dict[str, Any] = copy.deepcopy(OPENAI_ERROR_SCHEMA)

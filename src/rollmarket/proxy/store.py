@@ -1,7 +1,8 @@
 """The capture store: one SQLite file in WAL mode, written by one thread.
 
 The proxy hands each call's draft to `CaptureStore.submit` and goes on. The writer thread drains
-whatever drafts are waiting, resolves each one's conversation (header, else the links table),
+whatever drafts are waiting, resolves each one's conversation (header, else the responses table
+for a Responses call's `previous_response_id`, else the links table),
 builds and validates its `Capture`, stores it as msgpack (token arrays as raw bytes) with the
 links its replies open for the next turn, commits the batch once, and only then resolves the
 futures. The proxy decides whether a response waits for that future (`ack_after_write`): when
@@ -61,6 +62,13 @@ CREATE TABLE IF NOT EXISTS links (
     capture_id TEXT NOT NULL,
     choice INTEGER NOT NULL,
     conversation_id TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS responses (
+    response_id TEXT PRIMARY KEY,
+    capture_id TEXT NOT NULL,
+    choice INTEGER NOT NULL,
+    conversation_id TEXT NOT NULL,
+    turns TEXT NOT NULL
 ) WITHOUT ROWID;
 """
 
@@ -263,8 +271,20 @@ class CaptureStore:
     def _insert(self, conn: sqlite3.Connection, draft: CaptureDraft) -> Capture:
         parent = None
         parent_conversation = None
+        linked = ConversationSource.prefix
+        previous = draft.previous_response_id
+        if previous is not None:
+            row = conn.execute("SELECT capture_id, choice, conversation_id, turns FROM responses WHERE response_id=?",
+                               (previous,)).fetchone()
+            if row is not None:
+                parent, parent_conversation = (row[0], row[1]), row[2]
+                linked = ConversationSource.previous_response
+                draft = replace(draft, earlier=json.loads(row[3]))
+            else:
+                draft = replace(draft, notes=[*draft.notes, f"previous_response_id {previous!r} was not captured "
+                                              "here: the earlier turns are not in this capture's messages"])
         messages = draft.messages
-        if messages is not None:
+        if messages is not None and parent is None:
             key = prefix_hash(messages)
             if key is not None:
                 row = conn.execute("SELECT capture_id, choice, conversation_id FROM links WHERE reply_key=?",
@@ -275,7 +295,7 @@ class CaptureStore:
         if draft.header_conversation:
             conversation, source = draft.header_conversation, ConversationSource.header
         elif parent_conversation is not None:
-            conversation, source = parent_conversation, ConversationSource.prefix
+            conversation, source = parent_conversation, linked
         else:
             conversation, source = None, ConversationSource.root
         try:
@@ -308,6 +328,11 @@ class CaptureStore:
         for choice, key in draft.reply_keys():
             conn.execute("INSERT OR REPLACE INTO links VALUES (?, ?, ?, ?)",
                          (key, capture.capture_id, choice, capture.conversation_id))
+        turns = draft.responses_turns()
+        if turns is not None:
+            conn.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                         (draft.response_id, capture.capture_id, 0, capture.conversation_id,
+                          json.dumps(turns)))
         return capture
 
     # -- reading ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from ..bodies import (
     parse_json,
     read_body,
 )
+from ..contracts.responses import input_messages
 from ..engines import RolloutEngine, SamplingParams
 from .batcher import DONE, Batcher, Pending
 from .choice import ChoiceState
@@ -48,8 +49,10 @@ from .responses import (
     LOGPROBS_INCLUDE,
     UNSUPPORTED_RESPONSES_FIELDS,
     ResponseEvents,
+    StoredResponses,
     chat_messages,
     chat_tools,
+    input_turns,
     output_items,
     response_body,
 )
@@ -91,6 +94,7 @@ class ModelServer:
         self.batcher = Batcher(engine, max_seqs=settings.max_batch_seqs,
                                window_s=settings.batch_window_ms / 1000.0)
         self.created = int(time.time())
+        self.stored = StoredResponses(settings.responses_kept)
 
     # ---- request → engine work -------------------------------------------------------------
 
@@ -382,11 +386,13 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
             raise OpenAIError("a response has one generation; n must be 1", param="n")
         for name in UNSUPPORTED_RESPONSES_FIELDS:
             if (req.model_extra or {}).get(name):
-                raise OpenAIError(f"{name} is not supported: this server keeps no responses; send the whole "
-                                  "conversation as input", param=name, code="unsupported_parameter")
+                raise OpenAIError(f"{name} is not supported: continue a conversation with previous_response_id "
+                                  "or send it whole as input", param=name, code="unsupported_parameter")
+        earlier = server.stored.get(req.previous_response_id) if req.previous_response_id else []
+        turns = [*earlier, *input_turns(req)]
         tools = chat_tools(req) if req.tool_choice != "none" else None
-        prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req), tools, "input")
-        want_logprobs = LOGPROBS_INCLUDE in (req.include or ())
+        prompt = await asyncio.to_thread(server.encode_messages, chat_messages(req, turns), tools, "input")
+        want_logprobs = LOGPROBS_INCLUDE in (req.include or ()) or bool(req.top_logprobs)
         params = server._params(req, max_tokens=req.max_output_tokens, prompt_len=len(prompt),
                                 top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)
         choices = server.new_choices(1, 0, params.stop, bool(tools))
@@ -394,17 +400,32 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         rid, created = "resp_" + secrets.token_hex(12), int(time.time())
         moe = bool(engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts)
 
+        def logprob_entries(start: int = 0) -> list[dict]:
+            c = choices[0]
+            return [server.chat_logprob_entry(t, lp, top)
+                    for t, lp, top in zip(c.token_ids[start:], c.logprobs[start:], c.tops[start:])]
+
         def body() -> dict:
             c = choices[0]
-            entries = ([server.chat_logprob_entry(t, lp, top) for t, lp, top in zip(c.token_ids, c.logprobs, c.tops)]
-                       if want_logprobs else None)
-            items, status = output_items(c, prompt=prompt, logprob_entries=entries,
+            items, status = output_items(c, prompt=prompt, logprob_entries=logprob_entries() if want_logprobs else None,
                                          token_ids=req.return_token_ids, experts=moe)
+            if req.store:  # the next turn may name this one; what it said is read as its input would be
+                server.stored.put(rid, [*turns, *input_messages(items)])
             return response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=items,
                                  status=status, output_tokens=len(c.token_ids))
 
+        def delta_tokens(start: int) -> dict:
+            """The per-token fields of a stream delta: the tokens from `start` on."""
+            c = choices[0]
+            fields: dict = {"logprobs": logprob_entries(start) if want_logprobs else []}
+            if req.return_token_ids:
+                fields.update(generation_token_ids=c.token_ids[start:], generation_log_probs=c.logprobs[start:])
+            if moe:
+                fields["routed_experts"] = c.experts[start:]
+            return fields
+
         if req.stream:
-            return StreamingResponse(_responses_stream(server, pending, choices, body, ResponseEvents(
+            return StreamingResponse(_responses_stream(server, pending, choices, body, delta_tokens, ResponseEvents(
                 response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=[],
                               status="in_progress", output_tokens=0))), media_type="text/event-stream")
         async for _ in server.run(pending, choices):
@@ -508,14 +529,18 @@ async def _chat_stream(server: ModelServer, req: ChatRequest, rid: str, created:
 
 
 async def _responses_stream(server: ModelServer, pending: Pending, choices: list[ChoiceState], body,
-                            events: ResponseEvents) -> AsyncIterator[bytes]:
+                            delta_tokens, events: ResponseEvents) -> AsyncIterator[bytes]:
     for event in events.start():
         yield event
     c = choices[0]
+    sent = 0  # tokens whose per-token fields a delta has carried
     try:
         async for _ in server.run(pending, choices):
             text, calls = c.stream_delta()
-            out = events.text(text) if text else []
+            out = []
+            if text:
+                out += events.text(text, **delta_tokens(sent))
+                sent = len(c.token_ids)
             for call in calls:
                 out += events.call(call)
             for event in out:
@@ -523,7 +548,8 @@ async def _responses_stream(server: ModelServer, pending: Pending, choices: list
     except OpenAIError as exc:
         yield events.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
         return
-    for event in events.finish(body()):
+    rest = delta_tokens(sent) if sent < len(c.token_ids) else None
+    for event in events.finish(body(), rest):
         yield event
 
 

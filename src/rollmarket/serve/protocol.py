@@ -137,6 +137,9 @@ class ResponsesRequest(_Common):
     max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[str] | None = Field(None, max_length=MAX_STOP)
+    previous_response_id: str | None = Field(
+        None, max_length=1024, description="Continue the conversation of this stored response.")
+    store: bool = Field(True, description="Keep this response for a later previous_response_id.")
 
     @field_validator("input")
     @classmethod

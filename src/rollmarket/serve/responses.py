@@ -12,69 +12,61 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections import OrderedDict
 from typing import Any
 
+from ..contracts.responses import ResponsesInputError, input_messages
 from .choice import ChoiceState
 from .protocol import OpenAIError, ResponsesRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 """The ``include`` value that asks for per-token logprobs on each ``output_text`` part."""
 
-UNSUPPORTED_RESPONSES_FIELDS = ("previous_response_id", "conversation", "background")
-"""Stateful Responses features: ignoring them would answer a different conversation, so they are refused."""
-
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        for part in content:
-            if part.get("type", "input_text") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise OpenAIError(f"{where}: only text content parts are supported, not {part.get('type')!r}",
-                                  param="input")
-        return "".join(part["text"] for part in content)
-    raise OpenAIError(f"{where}: content must be a string or a list of text parts", param="input")
+UNSUPPORTED_RESPONSES_FIELDS = ("conversation", "background")
+"""Stateful Responses features beyond `previous_response_id`: ignoring them would answer a
+different conversation, so they are refused."""
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages a Responses request stands for: instructions first, then the input items."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return messages + [{"role": "user", "content": req.input}]
-    for i, item in enumerate(req.input):
-        where = f"input.{i}"
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise OpenAIError(f"{where}.role: must be user, assistant, system or developer", param="input")
-            # The chat templates know no developer role; it is the system prompt by another name.
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text(item.get("content"), where)})
-        elif kind == "function_call":
-            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
-                raise OpenAIError(f"{where}: a function_call needs string `name` and `arguments`", param="input")
-            call = {"id": str(item.get("call_id") or item.get("id") or ""), "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                # The text and the calls of one generation are one assistant turn, as the model wrote it.
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise OpenAIError(f"{where}: a function_call_output needs a string `call_id`", param="input")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text(item.get("output", ""), where)})
-        elif kind == "reasoning":
-            continue  # the template would not show it to the model either
-        else:
-            raise OpenAIError(f"{where}.type: unsupported input item {kind!r}", param="input")
+class StoredResponses:
+    """The conversations of the latest stored responses, by id, for `previous_response_id`.
+
+    Each holds the chat messages of its turns (input and output, without the instructions, which
+    OpenAI does not carry over to the next response). The oldest go first beyond `capacity`; an
+    id that is gone, or never was, is a 404 in OpenAI's shape.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._turns: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+
+    def get(self, rid: str) -> list[dict[str, Any]]:
+        turns = self._turns.get(rid)
+        if turns is None:
+            raise OpenAIError(f"Previous response with id '{rid}' not found.", status=404,
+                              param="previous_response_id", code="previous_response_not_found")
+        return turns
+
+    def put(self, rid: str, turns: list[dict[str, Any]]) -> None:
+        if self.capacity < 1:
+            return
+        self._turns[rid] = turns
+        while len(self._turns) > self.capacity:
+            self._turns.popitem(last=False)
+
+
+def input_turns(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of a request's input items (`contracts.responses`), as typed 400s."""
+    try:
+        return input_messages(req.input)
+    except ResponsesInputError as exc:
+        raise OpenAIError(str(exc), param="input") from None
+
+
+def chat_messages(req: ResponsesRequest, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages a Responses request stands for: its instructions, then its `turns` (those
+    of the response it continues, then its input items)."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    messages += turns
     if not messages:
         raise OpenAIError("input has no messages", param="input")
     return messages
@@ -129,6 +121,7 @@ def response_body(req: ResponsesRequest, *, rid: str, created: int, model: str, 
         "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": True,
         "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
         "metadata": {}, "text": {"format": {"type": "text"}},
+        "previous_response_id": req.previous_response_id, "store": req.store,
         "usage": {"input_tokens": len(prompt), "input_tokens_details": {"cached_tokens": 0},
                   "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": len(prompt) + output_tokens},
@@ -141,6 +134,12 @@ class ResponseEvents:
     Text opens an assistant ``message`` item on its first delta; each tool call, once parsed
     whole, is a ``function_call`` item (added, its arguments in one delta, done). The closing
     ``response.completed`` carries the whole Response, with the token fields when asked for.
+
+    Each ``response.output_text.delta`` carries the tokens generated since the last one: their
+    ``logprobs`` in OpenAI's shape (when asked for; else ``[]``) and, with ``return_token_ids``,
+    their ``generation_token_ids`` and ``generation_log_probs`` (and ``routed_experts``), so the
+    deltas of a message concatenate to what its final part and item carry. Tokens the detokenizer
+    still holds when the generation ends go out on a last, empty delta.
     """
 
     def __init__(self, base: dict[str, Any]):
@@ -161,7 +160,8 @@ class ResponseEvents:
         return [self.event("response.created", response=response), self.event("response.in_progress",
                                                                                 response=response)]
 
-    def text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str, **tokens: Any) -> list[bytes]:
+        """The events of a text delta; `tokens` are the per-token fields of the tokens behind it."""
         out = []
         if self._message is None:
             self._message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
@@ -174,7 +174,7 @@ class ResponseEvents:
         self._text.append(delta)
         out.append(self.event("response.output_text.delta", item_id=self._message["id"],
                               output_index=self.items.index(self._message), content_index=0, delta=delta,
-                              logprobs=[]))
+                              **{"logprobs": [], **tokens}))
         return out
 
     def close_message(self, final: dict[str, Any] | None = None) -> list[bytes]:
@@ -208,11 +208,15 @@ class ResponseEvents:
                 self.event("response.output_item.done", output_index=index, item=item)]
         return out
 
-    def finish(self, body: dict[str, Any]) -> list[bytes]:
-        """Close what is open and send the whole Response; streamed items keep their ids."""
+    def finish(self, body: dict[str, Any], rest: dict[str, Any] | None = None) -> list[bytes]:
+        """Close what is open and send the whole Response; streamed items keep their ids. `rest`
+        are the per-token fields of tokens no delta has carried yet."""
         final = body["output"]
         messages = [item for item in final if item["type"] == "message"]
-        out = self.close_message(messages[0] if messages else None)
+        out = []
+        if rest and (self._message is not None or (not self.items and messages)):
+            out += self.text("", **rest)
+        out += self.close_message(messages[0] if messages else None)
         if not self.items and messages:  # an empty answer is still one (empty) message item
             out += self.text("") + self.close_message(messages[0])
         for streamed, item in zip(self.items, final):

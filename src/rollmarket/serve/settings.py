@@ -25,5 +25,7 @@ class ServeSettings(BaseModel):
     max_body_bytes: int = Field(
         32 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 beyond).")
     max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs a request may ask for.")
+    responses_kept: int = Field(
+        1024, ge=0, description="Stored responses kept for previous_response_id (the oldest go first); 0 keeps none.")
     return_routed_experts: bool = Field(
         True, description="Return routed experts when a request asks (MoE models); off: the field is ignored.")

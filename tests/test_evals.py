@@ -12,6 +12,9 @@ import json
 import sqlite3
 import subprocess
 import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import Counter
 from pathlib import Path
 
@@ -122,6 +125,134 @@ def test_reverify_refuses_bad_input_and_writes_nothing(stored, tmp_path):
               ok=False)
     assert "not in the task set: ['t1']" in bad.stderr
     assert not out.exists()
+
+
+class GatedVerifier:
+    """A /verify on loopback (ThreadingHTTPServer) that answers only as many requests as the test
+    lets through: the rest wait, so the test knows which runs are finished and which in flight
+    when it kills the client. passed: the final answer is the task's answer, as written."""
+
+    def __init__(self):
+        self.lock = threading.Condition()
+        self.allowed = 0
+        self.received: list[tuple[int, str, int]] = []  # (phase, task, sample) as they arrive
+        self.answered: list[tuple[str, int]] = []
+        self.in_flight = self.most_in_flight = 0
+        self.phase = 0
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # health
+                self.send_response(200)
+                self.end_headers()
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                key = (body["trajectory"]["task_id"], body["trajectory"]["sample_index"])
+                with gate.lock:
+                    gate.received.append((gate.phase, *key))
+                    gate.in_flight += 1
+                    gate.most_in_flight = max(gate.most_in_flight, gate.in_flight)
+                    gate.lock.notify_all()
+                    gate.lock.wait_for(lambda: len(gate.answered) < gate.allowed)
+                    gate.answered.append(key)
+                    gate.in_flight -= 1
+                    gate.lock.notify_all()
+                passed = body["trajectory"]["final_answer"] == body["task"]["answer"]
+                data = json.dumps({"reward": float(passed), "passed": passed}).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # the client was killed while this one waited
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def allow(self, n: int) -> None:
+        with self.lock:
+            self.allowed = n
+            self.lock.notify_all()
+
+    def wait(self, condition, what: str, timeout: float = 120) -> None:
+        with self.lock:
+            assert self.lock.wait_for(condition, timeout), what
+
+
+def journal_keys(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line)["key"] for line in lines[1:] if line.endswith("}")]
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_reverify_is_concurrent_and_a_kill_9_loses_only_the_runs_in_flight(tmp_path):
+    """12 runs, --concurrency 3, a verifier that answers 5 then holds every request: the client
+    has exactly 5 results journaled and 3 in flight (never more) when it is killed with kill -9.
+    The same command again scores only the other 7, and the output is every run, in order."""
+    answers = {f"t{i}": str(i) for i in range(4)}
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(TaskSpec(task_id=t, prompt="?", verifier="exact", answer=a).model_dump_json() + "\n"
+                             for t, a in answers.items()))
+    runs = [run(t, i, a if i != 1 else "wrong", False) for t, a in answers.items() for i in range(3)]
+    rollouts = write_runs(tmp_path / "runs.jsonl", runs)
+    gate = GatedVerifier()
+    out = tmp_path / "new.jsonl"
+    journal = tmp_path / "new.reverify-journal.jsonl"
+    command = [sys.executable, "-m", "rollmarket", "eval", "reverify", str(rollouts), "--tasks", str(tasks),
+               "--verifier", gate.url, "--concurrency", "3", "--out", str(out)]
+    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin"}
+    try:
+        gate.allow(5)
+        first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        gate.wait(lambda: len(gate.answered) == 5 and gate.in_flight == 3, "5 answered and 3 held")
+        wait_for(lambda: len(journal_keys(journal)) == 5, "the 5 answered runs journaled")
+        first.kill()  # SIGKILL
+        first.wait()
+        assert gate.most_in_flight == 3 and not out.exists()
+        done_keys = journal_keys(journal)
+        answered = {(runs[k].task_id, runs[k].sample_index) for k in done_keys}
+        assert answered == set(gate.answered)
+
+        with open(journal, "a") as torn:  # what a kill in the middle of a write leaves
+            torn.write('{"key": 11, "run": {"task_id"')
+        with gate.lock:
+            gate.phase = 1
+        gate.allow(10_000)
+        again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "resuming: 5 of 12 runs already scored" in again.stdout
+        rerun = [(t, i) for phase, t, i in gate.received if phase == 1]
+        assert sorted(rerun) == sorted({(r.task_id, r.sample_index) for r in runs} - answered)
+        rescored = [AgentTrajectory.model_validate_json(line) for line in out.read_text().splitlines()]
+        assert [(r.task_id, r.sample_index) for r in rescored] == [(r.task_id, r.sample_index) for r in runs]
+        assert [r.verification.passed for r in rescored] == [r.final_answer == answers[r.task_id] for r in runs]
+        report = json.loads((tmp_path / "new.reverify.json").read_text())
+        assert report["disagreements"] == {"failed→passed": 8} and not journal.exists()
+
+        # A journal of another reverify (other args) is refused, and nothing is written.
+        journal.write_text(json.dumps({"reverify": {"rollouts": "other"}}) + "\n")
+        before = out.read_bytes()
+        bad = cli("eval", "reverify", str(rollouts), "--tasks", str(tasks), "--verifier", gate.url, "--out", str(out),
+                  ok=False)
+        assert "the journal of another reverify" in bad.stderr and out.read_bytes() == before
+    finally:
+        gate.server.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------

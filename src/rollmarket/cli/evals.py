@@ -65,13 +65,19 @@ def _scorer(verifier: str, family: str | None, args: dict | None, stack: ExitSta
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="Re-scored rollouts JSONL (each run's old verification kept in info.previous); the report "
                    "goes beside it as .reverify.json.")
+@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Runs scored at once (a resources server or an LLM judge answers several requests together).")
 def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str | None, verifier_args: str | None,
-                     out: Path) -> None:
+                     out: Path, concurrency: int) -> None:
     """Score stored rollouts again with another verifier and show where it disagrees with the old one.
 
     Writes the re-scored runs to --out (profile or compare them like any rollouts) and a report
-    with the old and new rewards side by side and the disagreement table."""
-    from ..research.evals import reverify, reverify_json
+    with the old and new rewards side by side and the disagreement table. Each result is appended
+    to a journal beside --out (.reverify-journal.jsonl) as it finishes: run the same command again
+    after a crash and only the runs not in it are scored; the journal goes once --out is written."""
+    import hashlib
+
+    from ..research.evals import ReverifyJournal, reverify, reverify_json
     from ..runs import atomic_write_text
     from ..verifiers.profile import read_rollouts
     from ..verifiers.verifier import VerifierConfigError
@@ -99,14 +105,33 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
                         check(task)
                     except VerifierConfigError as exc:
                         raise click.BadParameter(f"task {task.task_id}: {exc}", param_hint="--verifier") from None
+        # What the results depend on: a journal of other work is refused, never mixed in.
+        fingerprint = {"rollouts": hashlib.sha256(rollouts.read_bytes()).hexdigest(),
+                       "tasks": hashlib.sha256("".join(sorted(t.model_dump_json() for t in tasks)).encode()).hexdigest(),
+                       "verifier": label, "verifier_args": args}
+        journal = ReverifyJournal(out.with_name(out.name.removesuffix(".jsonl") + ".reverify-journal.jsonl"),
+                                  fingerprint)
+        done = journal.load()
+        if done:
+            console.print(f"resuming: {len(done)} of {len(runs)} runs already scored in {journal.path}",
+                          highlight=False)
+
+        def finished(index, run) -> None:
+            journal.append(index, run)
+            progress.advance(bar)
+
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
-            bar = progress.add_task(f"reverify with {label}", total=len(runs))
-            rescored, report = reverify(runs, tasks, score, verifier=label, source=str(rollouts),
-                                        on_run=lambda: progress.advance(bar))
+            bar = progress.add_task(f"reverify with {label}", total=len(runs), completed=len(done))
+            try:
+                rescored, report = reverify(runs, tasks, score, verifier=label, source=str(rollouts),
+                                            concurrency=concurrency, done=done, on_result=finished)
+            finally:
+                journal.close()
     atomic_write_text(out, "".join(run.model_dump_json() + "\n" for run in rescored))
     report_path = out.with_name(out.name.removesuffix(".jsonl") + ".reverify.json")
     atomic_write_text(report_path, reverify_json(report))
+    journal.path.unlink(missing_ok=True)
     table = Table(title=f"{rollouts.name}: {report.runs} runs, old verification vs {label}", title_justify="left")
     table.add_column("old \\ new")
     table.add_column("passed", justify="right")

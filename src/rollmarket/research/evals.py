@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +33,10 @@ class EvalError(StatsError):
 
 class UnknownTasks(EvalError):
     """Stored runs of tasks the given task set does not have."""
+
+
+class JournalMismatch(EvalError):
+    """A reverify journal that is not of this work (other rollouts, tasks or verifier) or is damaged."""
 
 
 class NoCommonTasks(EvalError):
@@ -93,30 +98,66 @@ def retarget(task: TaskSpec, verifier: str | None, args: Mapping[str, Any] | Non
     return task.model_copy(update={"verifier": verifier, "verifier_args": dict(args or {})})
 
 
-def reverify(runs: Sequence[AgentTrajectory], tasks: Iterable[TaskSpec], score: Scorer, *, verifier: str,
-             source: str = "", on_run: Callable[[], None] | None = None
-             ) -> tuple[list[AgentTrajectory], ReverifyReport]:
-    """Score every run again with `score` (the tasks already retargeted); the runs with their new
-    verification (the old one kept in `info["previous"]`) and the comparison of old with new.
+def rescore(task: TaskSpec, run: AgentTrajectory, score: Scorer) -> AgentTrajectory:
+    """`run` with its verification by `score` (the old one kept in `info["previous"]`)."""
+    new = score(task, run)
+    old = run.verification
+    info = {**new.info, "previous": None if old is None else old.model_dump(mode="json")}
+    return run.model_copy(update={"verification": new.model_copy(update={"info": info})})
 
-    Raises UnknownTasks, before scoring anything, when a run's task is not among `tasks`."""
+
+def reverify(runs: Sequence[AgentTrajectory], tasks: Iterable[TaskSpec], score: Scorer, *, verifier: str,
+             source: str = "", concurrency: int = 1, done: Mapping[int, AgentTrajectory] | None = None,
+             on_result: Callable[[int, AgentTrajectory], None] | None = None
+             ) -> tuple[list[AgentTrajectory], ReverifyReport]:
+    """Score every run again with `score` (the tasks already retargeted), at most `concurrency` at
+    once (verifiers are often HTTP judges); the runs with their new verification (the old one kept
+    in `info["previous"]`) and the comparison of old with new.
+
+    `done` holds runs already scored (by their index in `runs`, from a journal): they are not
+    scored again. `on_result(index, run)` is called in the calling thread as each run finishes,
+    in the order they finish (a journal appends it there). A scorer's exception stops the
+    scheduling of further runs and is raised once the in-flight ones end; the finished ones have
+    had their `on_result`. Raises UnknownTasks, before scoring anything, when a run's task is not
+    among `tasks`, and JournalMismatch when `done` is not about these runs."""
+    if concurrency < 1:
+        raise EvalError(f"concurrency must be at least 1, got {concurrency}", fix="pass --concurrency 1 or more")
     by_id = {task.task_id: task for task in tasks}
     missing = sorted({run.task_id for run in runs} - set(by_id))
     if missing:
         raise UnknownTasks(f"{len(missing)} task(s) of the rollouts are not in the task set: {missing[:5]}",
                            fix="pass the --tasks the rollouts were collected on")
-    rescored_runs: list[AgentTrajectory] = []
-    rows: list[Rescored] = []
-    for run in runs:
-        new = score(by_id[run.task_id], run)
-        old = run.verification
-        info = {**new.info, "previous": None if old is None else old.model_dump(mode="json")}
-        rescored_runs.append(run.model_copy(update={"verification": new.model_copy(update={"info": info})}))
-        rows.append(Rescored(task_id=run.task_id, sample_index=run.sample_index, old_reward=run.reward,
-                             old_passed=None if old is None else old.passed, new_reward=new.reward,
-                             new_passed=new.passed, new_why=new.info.get("why")))
-        if on_run is not None:
-            on_run()
+    rescored: dict[int, AgentTrajectory] = {}
+    for index, run in (done or {}).items():
+        if not 0 <= index < len(runs) or (runs[index].task_id, runs[index].sample_index) != (
+                run.task_id, run.sample_index):
+            raise JournalMismatch(f"a finished result (index {index}, task {run.task_id}) is not that run of the "
+                                  f"rollouts", fix="remove the journal to score every run again")
+        rescored[index] = run
+    pending = [i for i in range(len(runs)) if i not in rescored]
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="reverify") as pool:
+        futures = {pool.submit(rescore, by_id[runs[i].task_id], runs[i], score): i for i in pending}
+        try:
+            for future in as_completed(futures):
+                index = futures[future]
+                rescored[index] = future.result()
+                if on_result is not None:
+                    on_result(index, rescored[index])
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    ordered = [rescored[i] for i in range(len(runs))]
+    return ordered, reverify_report(runs, ordered, verifier=verifier, source=source)
+
+
+def reverify_report(runs: Sequence[AgentTrajectory], rescored: Sequence[AgentTrajectory], *, verifier: str,
+                    source: str = "") -> ReverifyReport:
+    """Old against new verification of each run (`rescored[i]` is `runs[i]` scored again)."""
+    rows = [Rescored(task_id=run.task_id, sample_index=run.sample_index, old_reward=run.reward,
+                     old_passed=None if run.verification is None else run.verification.passed,
+                     new_reward=new.verification.reward, new_passed=new.verification.passed,
+                     new_why=new.verification.info.get("why"))
+            for run, new in zip(runs, rescored)]
     table: dict[str, dict[str, int]] = {old: {"passed": 0, "failed": 0} for old in ("passed", "failed", "unverified")}
     for row in rows:
         table[_outcome(row.old_passed)][_outcome(row.new_passed)] += 1
@@ -131,13 +172,77 @@ def reverify(runs: Sequence[AgentTrajectory], tasks: Iterable[TaskSpec], score: 
         entry["new_correct"] += row.new_passed
         entry["disagree"] += row.old_passed is not row.new_passed
     n = len(rows)
-    report = ReverifyReport(
+    return ReverifyReport(
         source=source, verifier=verifier, runs=n, agree=n - len(changed), disagreements=dict(sorted(flips.items())),
         table=table, old_pass_rate=sum(bool(r.old_passed) for r in rows) / n if n else None,
         new_pass_rate=sum(r.new_passed for r in rows) / n if n else None,
         mean_reward_change=sum(r.new_reward - r.old_reward for r in rows) / n if n else None,
         by_task=[by_task[t] for t in sorted(by_task)], changed=changed)
-    return rescored_runs, report
+
+
+class ReverifyJournal:
+    """The results of one reverify as they finish, one JSON line each, so that a rerun after a
+    crash scores only what is left.
+
+    The first line is the fingerprint of the work (the rollouts' and tasks' digests, the
+    verifier and its args): a journal of other work is refused, never mixed in. Each result line
+    is written and flushed as its run finishes; a kill -9 can tear only the last line, which is
+    cut off when the journal is opened again."""
+
+    def __init__(self, path: str | Path, fingerprint: Mapping[str, Any]):
+        self.path = Path(path)
+        self.fingerprint = dict(fingerprint)
+        self._handle = None
+
+    def load(self) -> dict[int, AgentTrajectory]:
+        """The finished results by run index (none when there is no journal); cuts off a torn last
+        line. JournalMismatch when the journal is of other work or damaged before its end."""
+        if not self.path.exists():
+            return {}
+        data = self.path.read_bytes()
+        lines = data.split(b"\n")
+        done: dict[int, AgentTrajectory] = {}
+        good = 0  # bytes of whole, valid lines
+        for number, line in enumerate(lines):
+            last = number == len(lines) - 1
+            try:
+                record = json.loads(line)
+                if number == 0:
+                    if record.get("reverify") != self.fingerprint:
+                        raise JournalMismatch(
+                            f"{self.path}: the journal of another reverify (other rollouts, tasks, verifier or args)",
+                            fix="pass another --out, or remove the journal to start over")
+                else:
+                    done[int(record["key"])] = AgentTrajectory.model_validate(record["run"])
+            except JournalMismatch:
+                raise
+            except (ValueError, KeyError, TypeError) as exc:
+                if last:  # the torn line a kill -9 can leave (or the empty string after the final newline)
+                    break
+                raise JournalMismatch(f"{self.path}: line {number + 1} is damaged ({str(exc).splitlines()[0]})",
+                                      fix="remove the journal to score every run again") from None
+            if not last:
+                good += len(line) + 1
+        if good < len(data):
+            with open(self.path, "r+b") as handle:
+                handle.truncate(good)
+        return done
+
+    def append(self, index: int, run: AgentTrajectory) -> None:
+        """Add one finished result (the journal and its fingerprint line are created on the first)."""
+        if self._handle is None:
+            new = not self.path.exists() or self.path.stat().st_size == 0
+            self._handle = open(self.path, "a", encoding="utf-8")
+            if new:
+                self._handle.write(json.dumps({"reverify": self.fingerprint}) + "\n")
+        self._handle.write(json.dumps({"key": index, "run": run.model_dump(mode="json")}) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Close the file (kept: remove it once the results are written elsewhere)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
 
 
 def reverify_json(report: ReverifyReport) -> str:

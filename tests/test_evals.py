@@ -8,6 +8,7 @@ verifier, how many runs of each task pass), never from the code under test.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sqlite3
 import subprocess
@@ -300,7 +301,87 @@ def test_compare_says_inconclusive_with_too_few_samples_or_no_difference(tmp_pat
     assert m["verdict"] == "INCONCLUSIVE" and m["mean_difference"] == 0
     one = cli("eval", "compare", str(write_runs(tmp_path / "e.jsonl", passing_runs({"x": 1}, 16))),
               str(tmp_path / "d.jsonl"), ok=False)
-    assert "per-task pairing needs at least 2" in one.stderr
+    assert "0 task(s) with a value on both sides; pairing needs at least 2" in one.stderr
+
+
+# Seeds × tasks: 6 training seeds a side (the fewest whose exact sign-flip test can reach p < 0.05:
+# 2/2^6), 10 tasks, 16 samples each. base[s][t] passing runs; the candidate adds shift[s][t].
+SEEDS, TASKS, N = 6, 10, 16
+
+
+def seeded_evals(root: Path, shift) -> tuple[Path, Path, list[list[int]], list[list[int]]]:
+    base = [[4 + (s + t) % 5 for t in range(TASKS)] for s in range(SEEDS)]
+    cand = [[base[s][t] + shift(s, t) for t in range(TASKS)] for s in range(SEEDS)]
+    for side, counts in (("base", base), ("cand", cand)):
+        (root / side).mkdir(parents=True)
+        for s in range(SEEDS):
+            write_runs(root / side / f"seed{s}.jsonl",
+                       passing_runs({f"task{t:02d}": counts[s][t] for t in range(TASKS)}, N))
+    return root / "cand", root / "base", base, cand
+
+
+def test_compare_with_seeds_confirms_a_shift_every_seed_shows(tmp_path):
+    cand_dir, base_dir, base, cand = seeded_evals(tmp_path, lambda s, t: 3 + (s + t) % 3 - 1)
+    out = tmp_path / "cmp.json"
+    done = cli("eval", "compare", str(cand_dir), str(base_dir), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["verdicts_from"] == "seeds"
+    (m,) = report["seed_comparison"]["metrics"]
+    per_seed = [sum(cand[s][t] - base[s][t] for t in range(TASKS)) / (TASKS * N) for s in range(SEEDS)]
+    assert m["unit"] == "seeds" and m["seeds"] == [f"seed{s}" for s in range(SEEDS)]
+    assert m["differences"] == pytest.approx(per_seed)
+    assert m["sign_flip"]["p"] == pytest.approx(2 / 2 ** SEEDS)  # every seed better: the two extreme flips
+    assert m["verdict"] == "CONFIRMED", m["reason"]
+    boot = m["two_way_bootstrap"]
+    assert boot["seeds"] == SEEDS and boot["tasks"] == TASKS and 0 < boot["lo"] < boot["hi"]
+    (per_task,) = report["comparison"]["metrics"]
+    assert per_task["unit"] == "tasks" and per_task["verdict"] == "CONFIRMED"
+    assert per_task["differences"] == pytest.approx(
+        [sum(cand[s][t] - base[s][t] for s in range(SEEDS)) / (SEEDS * N) for t in range(TASKS)])
+    assert "CONFIRMED pass@1 (seeds as the unit)" in done.stdout
+
+
+def test_compare_with_seeds_does_not_confirm_differences_within_seed_noise(tmp_path):
+    """Two seeds of the candidate are much better, three a little worse, one a little better: every
+    task's seed average is higher (per task, the paired test over tasks says CONFIRMED: tasks see
+    the same six seeds), but over seeds it is noise and the verdict that counts is not CONFIRMED."""
+    offsets = [6, 6, -2, -2, -2, 2]
+    cand_dir, base_dir, base, cand = seeded_evals(tmp_path, lambda s, t: offsets[s] + t % 3 - 1)
+    out = tmp_path / "cmp.json"
+    cli("eval", "compare", str(cand_dir), str(base_dir), "--out", str(out))
+    report = json.loads(out.read_text())
+    (per_task,) = report["comparison"]["metrics"]
+    assert all(d > 0 for d in per_task["differences"]) and per_task["verdict"] == "CONFIRMED"
+    (m,) = report["seed_comparison"]["metrics"]
+    per_seed = [sum(cand[s][t] - base[s][t] for t in range(TASKS)) / (TASKS * N) for s in range(SEEDS)]
+    assert m["differences"] == pytest.approx(per_seed)
+    # The exact two-sided sign-flip p, enumerated here: flips whose |sum| reaches the observed one.
+    flips = [sum(sign * d for sign, d in zip(signs, per_seed)) for signs in itertools.product((1, -1), repeat=SEEDS)]
+    expected_p = sum(abs(f) >= abs(sum(per_seed)) - 1e-12 for f in flips) / 2 ** SEEDS
+    assert m["sign_flip"]["p"] == pytest.approx(expected_p) and expected_p > 0.05
+    assert m["verdict"] == "INCONCLUSIVE"
+
+
+def test_compare_with_seeds_needs_the_tasks_too(tmp_path):
+    """Every seed of the candidate is better on task00 alone: over seeds it is significant, but a
+    draw of tasks without task00 (a third of the bootstrap's) shows no difference at all."""
+    cand_dir, base_dir, _, _ = seeded_evals(tmp_path, lambda s, t: 6 + s % 3 if t == 0 else 0)
+    cli("eval", "compare", str(cand_dir), str(base_dir), "--out", str(tmp_path / "cmp.json"))
+    (m,) = json.loads((tmp_path / "cmp.json").read_text())["seed_comparison"]["metrics"]
+    assert m["sign_flip"]["p"] == pytest.approx(2 / 2 ** SEEDS) and m["t_interval"][0] > 0
+    assert m["two_way_bootstrap"]["lo"] == 0 and m["verdict"] == "INCONCLUSIVE"
+    assert "the two-way bootstrap (seeds and tasks resampled) interval" in m["reason"]
+
+
+def test_compare_with_seeds_refuses_unpaired_or_mixed_sides(tmp_path):
+    cand_dir, base_dir, _, _ = seeded_evals(tmp_path, lambda s, t: 1)
+    (cand_dir / "seed5.jsonl").rename(cand_dir / "seed9.jsonl")
+    bad = cli("eval", "compare", str(cand_dir), str(base_dir), "--out", str(tmp_path / "x.json"), ok=False)
+    assert "seeds do not pair (only base: ['seed5']; only cand: ['seed9'])" in bad.stderr
+    bad = cli("eval", "compare", str(cand_dir / "seed0.jsonl"), str(base_dir), "--out", str(tmp_path / "x.json"),
+              ok=False)
+    assert "one side has several seeds and the other one eval" in bad.stderr
+    assert not (tmp_path / "x.json").exists()
 
 
 # ---------------------------------------------------------------------------------------------

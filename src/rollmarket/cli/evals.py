@@ -24,7 +24,7 @@ def _pct(value: float | None) -> str:
 
 @click.group("eval")
 def eval_group() -> None:
-    """Score stored rollouts again and compare two models' evals task by task."""
+    """Score stored rollouts again and compare two models' evals by task and by seed."""
 
 
 def _scorer(verifier: str, family: str | None, args: dict | None, stack: ExitStack):
@@ -154,9 +154,23 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
     console.print(f"wrote {out} and {report_path}", highlight=False)
 
 
+def _comparison_table(comparison, title: str, units: str) -> None:
+    table = Table(title=title, title_justify="left")
+    for name in ("metric", units, "baseline", "candidate", "Δ [t interval]", "p exact (Holm)", "d_z", "verdict"):
+        table.add_column(name, justify="left" if name in ("metric", "verdict") else "right")
+    for m in comparison.metrics:
+        lo, hi = m.t_interval
+        colour = _COLOURS.get(m.verdict, "white")
+        table.add_row(m.metric, str(m.n_seeds), f"{m.baseline_mean:.4f}", f"{m.candidate_mean:.4f}",
+                      f"{m.mean_difference:+.4f} [{lo:.4f}, {hi:.4f}]",
+                      f"{m.sign_flip['p']:.4g} ({m.p_holm:.4g})",
+                      "-" if m.cohens_dz is None else f"{m.cohens_dz:.2f}", f"[{colour}]{m.verdict}[/]")
+    console.print(table)
+
+
 @eval_group.command("compare")
-@click.argument("candidate", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("baseline", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("candidate", type=click.Path(path_type=Path, exists=True))
+@click.argument("baseline", type=click.Path(path_type=Path, exists=True))
 @click.option("--metric", "metrics", multiple=True, type=click.Choice(["pass@1", "pass@4", "pass@16", "reward"]),
               help="A per-task number to compare, repeatable [default: pass@1].")
 @click.option("--alpha", type=float, default=None, help="Significance level [default: 0.05].")
@@ -167,13 +181,16 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
               help="Also write the comparison as JSON to this file.")
 def compare_command(candidate: Path, baseline: Path, metrics: tuple[str, ...], alpha: float | None,
                     equivalence_margin: float | None, seed: int, out: Path | None) -> None:
-    """Compare two models' evals on the same tasks: per-task paired differences, intervals and verdicts.
+    """Compare two models' evals on the same tasks: paired differences, intervals and verdicts.
 
     CANDIDATE and BASELINE are rollouts JSONL (`rollmarket collect`) or profiles (`rollmarket
-    profile`). Tasks are the unit: each task's pass@k (or mean reward) is one number per side, and
-    the differences get the exact sign-flip test, the t interval, TOST and the verdicts of
-    `rollmarket compare` (docs/statistics.md)."""
-    from ..research.evals import compare_evals, comparison_json, load_profile
+    profile`), or directories holding one of those per training seed (seed0.jsonl, seed1.jsonl,
+    ...; the sides pair by file name). One eval a side: tasks are the unit (each task's pass@k or
+    mean reward is one number per side). One per seed: the seed is the unit of the verdicts (each
+    seed's mean over the tasks, paired by seed, and a bootstrap over seeds and tasks), with the
+    per-task comparison beside it. Both get the exact sign-flip test, the t interval, TOST and the
+    verdicts of `rollmarket compare` (docs/statistics.md)."""
+    from ..research.evals import compare_evals, comparison_json, load_side
     from ..research.stats import StatsSettings
     from ..runs import atomic_write_text
 
@@ -181,21 +198,21 @@ def compare_command(candidate: Path, baseline: Path, metrics: tuple[str, ...], a
     base_name, cand_name = baseline.name, candidate.name
     if base_name == cand_name:
         base_name, cand_name = str(baseline), str(candidate)
-    report = compare_evals(load_profile(baseline), load_profile(candidate), list(metrics) or ["pass@1"], settings,
+    report = compare_evals(load_side(baseline), load_side(candidate), list(metrics) or ["pass@1"], settings,
                            baseline_name=base_name, candidate_name=cand_name)
-    table = Table(title=f"{cand_name} vs {base_name}, task by task", title_justify="left")
-    for name in ("metric", "tasks", "baseline", "candidate", "Δ [t interval]", "p exact (Holm)", "d_z", "verdict"):
-        table.add_column(name, justify="left" if name in ("metric", "verdict") else "right")
-    for m in report.comparison.metrics:
-        lo, hi = m.t_interval
-        colour = _COLOURS.get(m.verdict, "white")
-        table.add_row(m.metric, str(m.n_seeds), f"{m.baseline_mean:.4f}", f"{m.candidate_mean:.4f}",
-                      f"{m.mean_difference:+.4f} [{lo:.4f}, {hi:.4f}]",
-                      f"{m.sign_flip['p']:.4g} ({m.p_holm:.4g})",
-                      "-" if m.cohens_dz is None else f"{m.cohens_dz:.2f}", f"[{colour}]{m.verdict}[/]")
-    console.print(table)
-    for m in report.comparison.metrics:
-        console.print(f"[{_COLOURS.get(m.verdict, 'white')}]{m.verdict}[/] {m.metric}: {m.reason}", highlight=False)
+    seeded = report.seed_comparison is not None
+    _comparison_table(report.comparison, f"{cand_name} vs {base_name}, task by task"
+                      + (" (each task averaged over the seeds; interval over tasks)" if seeded else ""), "tasks")
+    if seeded:
+        _comparison_table(report.seed_comparison, f"{cand_name} vs {base_name}, seed by seed (the unit of the "
+                          f"verdicts; t interval over seeds)", "seeds")
+        for m in report.seed_comparison.metrics:
+            boot = m.two_way_bootstrap
+            console.print(f"{m.metric}: two-way bootstrap over {boot['seeds']} seeds × {boot['tasks']} tasks: "
+                          f"Δ {boot['mean']:+.4f} [{boot['lo']:.4f}, {boot['hi']:.4f}]", highlight=False)
+    for m in (report.seed_comparison or report.comparison).metrics:
+        console.print(f"[{_COLOURS.get(m.verdict, 'white')}]{m.verdict}[/] {m.metric} ({m.unit} as the unit): "
+                      f"{m.reason}", highlight=False)
     for side, only in ((base_name, report.tasks_only_baseline), (cand_name, report.tasks_only_candidate)):
         if only:
             console.print(f"[yellow]note[/] {len(only)} task(s) only in {side}, left out: {only[:5]}",

@@ -8,6 +8,7 @@ verifier, how many runs of each task pass), never from the code under test.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import sqlite3
@@ -452,13 +453,28 @@ def test_trainer_samples_only_the_kept_tasks_by_their_weights(tmp_path):
     with pytest.raises(TrainConfigError, match="not training tasks"):
         validate(resolve(None, [model, "rollout.suite=arithmetic", f"rollout.curriculum={json.dumps(str(foreign))}"]),
                  local=True)
+    # A config that pins the content (rollout.curriculum_digest) refuses a file with other content.
+    pinned = "sha256:" + hashlib.sha256(weighted.read_bytes()).hexdigest()
+    for path, ok in ((weighted, True), (uniform, False)):
+        config = resolve(None, [model, "rollout.suite=arithmetic", f"rollout.curriculum={json.dumps(str(path))}",
+                                f"rollout.curriculum_digest={json.dumps(pinned)}"])
+        if ok:
+            validate(config, local=True)
+        else:
+            with pytest.raises(TrainConfigError, match="is not the curriculum the config names"):
+                validate(config, local=True)
 
 
 @pytest.mark.slow
-def test_a_train_run_enqueues_jobs_only_for_the_curriculums_tasks(tmp_path):
+def test_a_train_run_keeps_its_curriculum_by_content_across_a_resume(tmp_path):
+    """Step 1 enqueues only the curriculum's tasks and saves the file's bytes in the run directory,
+    their sha256 in config.json. The file is then rebuilt with one task; `train --resume` warns and
+    goes on with the saved copy (step 2 again enqueues the three). A tampered copy is refused."""
     profile, counts = curriculum_profile(tmp_path)
+    kept = list(counts)[4:7]
     curriculum = tmp_path / "curriculum.json"
     cli("curriculum", str(profile), "--out", str(curriculum), "--mode", "keep")
+    original = curriculum.read_bytes()
     from rollmarket.train.config import resolve
     from rollmarket.train.loop import Trainer
 
@@ -469,6 +485,24 @@ def test_a_train_run_enqueues_jobs_only_for_the_curriculums_tasks(tmp_path):
         "rollout.precisions=['bf16']", "local.workers=['bf16']", "local.lease_ttl_s=8",
         f"runs_root={json.dumps(str(tmp_path / 'runs'))}"])
     run_dir = Trainer(config, local=True).run()
-    with sqlite3.connect(run_dir / "exchange.db") as db:
-        enqueued = [json.loads(row[0])["task"]["task_id"] for row in db.execute("SELECT body FROM jobs")]
-    assert sorted(enqueued) == sorted(list(counts)[4:7])  # one step of 3 groups: each kept task once
+
+    def enqueued() -> Counter:
+        with sqlite3.connect(run_dir / "exchange.db") as db:
+            return Counter(json.loads(row[0])["task"]["task_id"] for row in db.execute("SELECT body FROM jobs"))
+
+    assert enqueued() == Counter(kept)  # one step of 3 groups: each kept task once
+    assert (run_dir / "curriculum.json").read_bytes() == original
+    saved = json.loads((run_dir / "config.json").read_text())["config"]["rollout"]
+    assert saved["curriculum_digest"] == "sha256:" + hashlib.sha256(original).hexdigest()
+
+    data = json.loads(original)
+    data["tasks"] = data["tasks"][:1]
+    curriculum.write_text(json.dumps(data))
+    resumed = cli("train", "--resume", str(run_dir), "--local", "loop.steps=2")
+    assert f"warning {curriculum} changed since the run began" in " ".join(resumed.stdout.split())
+    assert enqueued() == Counter({task: 2 for task in kept})  # the saved three again, not the file's one
+
+    (run_dir / "curriculum.json").write_text(json.dumps(data))
+    bad = cli("train", "--resume", str(run_dir), "--local", "loop.steps=3", ok=False)
+    assert "is not the curriculum the config names" in bad.stderr
+    assert enqueued() == Counter({task: 2 for task in kept})

@@ -208,11 +208,10 @@ class ReverifyJournal:
         if not self.path.exists():
             return {}
         data = self.path.read_bytes()
-        lines = data.split(b"\n")
+        # Every whole line ends in a newline; what follows the last one is a torn write (or nothing).
+        *whole, _torn = data.split(b"\n")
         done: dict[int, AgentTrajectory] = {}
-        good = 0  # bytes of whole, valid lines
-        for number, line in enumerate(lines):
-            last = number == len(lines) - 1
+        for number, line in enumerate(whole):
             try:
                 record = json.loads(line)
                 if number == 0:
@@ -224,16 +223,13 @@ class ReverifyJournal:
                     done[int(record["key"])] = AgentTrajectory.model_validate(record["run"])
             except JournalMismatch:
                 raise
-            except (ValueError, KeyError, TypeError) as exc:
-                if last:  # the torn line a kill -9 can leave (or the empty string after the final newline)
-                    break
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise JournalMismatch(f"{self.path}: line {number + 1} is damaged ({str(exc).splitlines()[0]})",
                                       fix="remove the journal to score every run again") from None
-            if not last:
-                good += len(line) + 1
-        if good < len(data):
+        whole_bytes = sum(len(line) + 1 for line in whole)
+        if whole_bytes < len(data):
             with open(self.path, "r+b") as handle:
-                handle.truncate(good)
+                handle.truncate(whole_bytes)
         return done
 
     def append(self, index: int, run: AgentTrajectory) -> None:

@@ -156,7 +156,7 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
 
 def _comparison_table(comparison, title: str, units: str) -> None:
     table = Table(title=title, title_justify="left")
-    for name in ("metric", units, "baseline", "candidate", "Δ [t interval]", "p exact (Holm)", "d_z", "verdict"):
+    for name in ("metric", units, "baseline", "candidate", "Δ \\[t interval]", "p exact (Holm)", "d_z", "verdict"):
         table.add_column(name, justify="left" if name in ("metric", "verdict") else "right")
     for m in comparison.metrics:
         lo, hi = m.t_interval

@@ -141,6 +141,8 @@ class GatedVerifier:
         self.answered: list[tuple[str, int]] = []
         self.in_flight = self.most_in_flight = 0
         self.phase = 0
+        self.refuse: set[str] = set()
+        """Tasks whose requests get a 400, as a server answers a task its verifier cannot score."""
         gate = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -161,9 +163,11 @@ class GatedVerifier:
                     gate.in_flight -= 1
                     gate.lock.notify_all()
                 passed = body["trajectory"]["final_answer"] == body["task"]["answer"]
-                data = json.dumps({"reward": float(passed), "passed": passed}).encode()
+                refused = key[0] in gate.refuse
+                data = json.dumps({"error": {"code": "bad_task", "message": f"cannot score {key[0]}"}} if refused
+                                  else {"reward": float(passed), "passed": passed}).encode()
                 try:
-                    self.send_response(200)
+                    self.send_response(400 if refused else 200)
                     self.send_header("content-type", "application/json")
                     self.send_header("content-length", str(len(data)))
                     self.end_headers()
@@ -253,6 +257,35 @@ def test_reverify_is_concurrent_and_a_kill_9_loses_only_the_runs_in_flight(tmp_p
         bad = cli("eval", "reverify", str(rollouts), "--tasks", str(tasks), "--verifier", gate.url, "--out", str(out),
                   ok=False)
         assert "the journal of another reverify" in bad.stderr and out.read_bytes() == before
+    finally:
+        gate.server.shutdown()
+
+
+def test_reverify_stops_at_a_scorers_error_keeping_what_finished(tmp_path):
+    """One run at a time; the server refuses t1: the three t0 runs before it are journaled, no
+    --out is written, and once the server scores t1 the same command scores only the other 9."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(TaskSpec(task_id=f"t{i}", prompt="?", verifier="exact", answer="1").model_dump_json()
+                             + "\n" for i in range(4)))
+    runs = [run(f"t{i}", j, "1", False) for i in range(4) for j in range(3)]
+    rollouts = write_runs(tmp_path / "runs.jsonl", runs)
+    gate = GatedVerifier()
+    gate.allow(10_000)
+    gate.refuse = {"t1"}
+    out = tmp_path / "new.jsonl"
+    args = ("eval", "reverify", str(rollouts), "--tasks", str(tasks), "--verifier", gate.url, "--concurrency", "1",
+            "--out", str(out))
+    try:
+        failed = cli(*args, ok=False)
+        assert "cannot score t1" in failed.stderr and not out.exists()
+        assert journal_keys(tmp_path / "new.reverify-journal.jsonl") == [0, 1, 2]
+        gate.refuse = set()
+        with gate.lock:
+            gate.phase = 1
+        cli(*args)
+        assert sorted((t, i) for phase, t, i in gate.received if phase == 1) == [
+            (r.task_id, r.sample_index) for r in runs[3:]]
+        assert len(out.read_text().splitlines()) == 12
     finally:
         gate.server.shutdown()
 

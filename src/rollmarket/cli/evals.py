@@ -24,7 +24,7 @@ def _pct(value: float | None) -> str:
 
 @click.group("eval")
 def eval_group() -> None:
-    """Score stored rollouts again and compare two models' evals task by task."""
+    """Score stored rollouts again and compare two models' evals by task and by seed."""
 
 
 def _scorer(verifier: str, family: str | None, args: dict | None, stack: ExitStack):
@@ -65,13 +65,19 @@ def _scorer(verifier: str, family: str | None, args: dict | None, stack: ExitSta
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), required=True,
               help="Re-scored rollouts JSONL (each run's old verification kept in info.previous); the report "
                    "goes beside it as .reverify.json.")
+@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Runs scored at once (a resources server or an LLM judge answers several requests together).")
 def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str | None, verifier_args: str | None,
-                     out: Path) -> None:
+                     out: Path, concurrency: int) -> None:
     """Score stored rollouts again with another verifier and show where it disagrees with the old one.
 
     Writes the re-scored runs to --out (profile or compare them like any rollouts) and a report
-    with the old and new rewards side by side and the disagreement table."""
-    from ..research.evals import reverify, reverify_json
+    with the old and new rewards side by side and the disagreement table. Each result is appended
+    to a journal beside --out (.reverify-journal.jsonl) as it finishes: run the same command again
+    after a crash and only the runs not in it are scored; the journal goes once --out is written."""
+    import hashlib
+
+    from ..research.evals import ReverifyJournal, reverify, reverify_json
     from ..runs import atomic_write_text
     from ..verifiers.profile import read_rollouts
     from ..verifiers.verifier import VerifierConfigError
@@ -99,14 +105,33 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
                         check(task)
                     except VerifierConfigError as exc:
                         raise click.BadParameter(f"task {task.task_id}: {exc}", param_hint="--verifier") from None
+        # What the results depend on: a journal of other work is refused, never mixed in.
+        fingerprint = {"rollouts": hashlib.sha256(rollouts.read_bytes()).hexdigest(),
+                       "tasks": hashlib.sha256("".join(sorted(t.model_dump_json() for t in tasks)).encode()).hexdigest(),
+                       "verifier": label, "verifier_args": args}
+        journal = ReverifyJournal(out.with_name(out.name.removesuffix(".jsonl") + ".reverify-journal.jsonl"),
+                                  fingerprint)
+        done = journal.load()
+        if done:
+            console.print(f"resuming: {len(done)} of {len(runs)} runs already scored in {journal.path}",
+                          highlight=False)
+
+        def finished(index, run) -> None:
+            journal.append(index, run)
+            progress.advance(bar)
+
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as progress:
-            bar = progress.add_task(f"reverify with {label}", total=len(runs))
-            rescored, report = reverify(runs, tasks, score, verifier=label, source=str(rollouts),
-                                        on_run=lambda: progress.advance(bar))
+            bar = progress.add_task(f"reverify with {label}", total=len(runs), completed=len(done))
+            try:
+                rescored, report = reverify(runs, tasks, score, verifier=label, source=str(rollouts),
+                                            concurrency=concurrency, done=done, on_result=finished)
+            finally:
+                journal.close()
     atomic_write_text(out, "".join(run.model_dump_json() + "\n" for run in rescored))
     report_path = out.with_name(out.name.removesuffix(".jsonl") + ".reverify.json")
     atomic_write_text(report_path, reverify_json(report))
+    journal.path.unlink(missing_ok=True)
     table = Table(title=f"{rollouts.name}: {report.runs} runs, old verification vs {label}", title_justify="left")
     table.add_column("old \\ new")
     table.add_column("passed", justify="right")
@@ -129,9 +154,23 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
     console.print(f"wrote {out} and {report_path}", highlight=False)
 
 
+def _comparison_table(comparison, title: str, units: str) -> None:
+    table = Table(title=title, title_justify="left")
+    for name in ("metric", units, "baseline", "candidate", "Δ \\[t interval]", "p exact (Holm)", "d_z", "verdict"):
+        table.add_column(name, justify="left" if name in ("metric", "verdict") else "right")
+    for m in comparison.metrics:
+        lo, hi = m.t_interval
+        colour = _COLOURS.get(m.verdict, "white")
+        table.add_row(m.metric, str(m.n_seeds), f"{m.baseline_mean:.4f}", f"{m.candidate_mean:.4f}",
+                      f"{m.mean_difference:+.4f} [{lo:.4f}, {hi:.4f}]",
+                      f"{m.sign_flip['p']:.4g} ({m.p_holm:.4g})",
+                      "-" if m.cohens_dz is None else f"{m.cohens_dz:.2f}", f"[{colour}]{m.verdict}[/]")
+    console.print(table)
+
+
 @eval_group.command("compare")
-@click.argument("candidate", type=click.Path(path_type=Path, exists=True, dir_okay=False))
-@click.argument("baseline", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.argument("candidate", type=click.Path(path_type=Path, exists=True))
+@click.argument("baseline", type=click.Path(path_type=Path, exists=True))
 @click.option("--metric", "metrics", multiple=True, type=click.Choice(["pass@1", "pass@4", "pass@16", "reward"]),
               help="A per-task number to compare, repeatable [default: pass@1].")
 @click.option("--alpha", type=float, default=None, help="Significance level [default: 0.05].")
@@ -142,13 +181,16 @@ def reverify_command(rollouts: Path, tasks_spec: str, verifier: str, family: str
               help="Also write the comparison as JSON to this file.")
 def compare_command(candidate: Path, baseline: Path, metrics: tuple[str, ...], alpha: float | None,
                     equivalence_margin: float | None, seed: int, out: Path | None) -> None:
-    """Compare two models' evals on the same tasks: per-task paired differences, intervals and verdicts.
+    """Compare two models' evals on the same tasks: paired differences, intervals and verdicts.
 
     CANDIDATE and BASELINE are rollouts JSONL (`rollmarket collect`) or profiles (`rollmarket
-    profile`). Tasks are the unit: each task's pass@k (or mean reward) is one number per side, and
-    the differences get the exact sign-flip test, the t interval, TOST and the verdicts of
-    `rollmarket compare` (docs/statistics.md)."""
-    from ..research.evals import compare_evals, comparison_json, load_profile
+    profile`), or directories holding one of those per training seed (seed0.jsonl, seed1.jsonl,
+    ...; the sides pair by file name). One eval a side: tasks are the unit (each task's pass@k or
+    mean reward is one number per side). One per seed: the seed is the unit of the verdicts (each
+    seed's mean over the tasks, paired by seed, and a bootstrap over seeds and tasks), with the
+    per-task comparison beside it. Both get the exact sign-flip test, the t interval, TOST and the
+    verdicts of `rollmarket compare` (docs/statistics.md)."""
+    from ..research.evals import compare_evals, comparison_json, load_side
     from ..research.stats import StatsSettings
     from ..runs import atomic_write_text
 
@@ -156,21 +198,21 @@ def compare_command(candidate: Path, baseline: Path, metrics: tuple[str, ...], a
     base_name, cand_name = baseline.name, candidate.name
     if base_name == cand_name:
         base_name, cand_name = str(baseline), str(candidate)
-    report = compare_evals(load_profile(baseline), load_profile(candidate), list(metrics) or ["pass@1"], settings,
+    report = compare_evals(load_side(baseline), load_side(candidate), list(metrics) or ["pass@1"], settings,
                            baseline_name=base_name, candidate_name=cand_name)
-    table = Table(title=f"{cand_name} vs {base_name}, task by task", title_justify="left")
-    for name in ("metric", "tasks", "baseline", "candidate", "Δ [t interval]", "p exact (Holm)", "d_z", "verdict"):
-        table.add_column(name, justify="left" if name in ("metric", "verdict") else "right")
-    for m in report.comparison.metrics:
-        lo, hi = m.t_interval
-        colour = _COLOURS.get(m.verdict, "white")
-        table.add_row(m.metric, str(m.n_seeds), f"{m.baseline_mean:.4f}", f"{m.candidate_mean:.4f}",
-                      f"{m.mean_difference:+.4f} [{lo:.4f}, {hi:.4f}]",
-                      f"{m.sign_flip['p']:.4g} ({m.p_holm:.4g})",
-                      "-" if m.cohens_dz is None else f"{m.cohens_dz:.2f}", f"[{colour}]{m.verdict}[/]")
-    console.print(table)
-    for m in report.comparison.metrics:
-        console.print(f"[{_COLOURS.get(m.verdict, 'white')}]{m.verdict}[/] {m.metric}: {m.reason}", highlight=False)
+    seeded = report.seed_comparison is not None
+    _comparison_table(report.comparison, f"{cand_name} vs {base_name}, task by task"
+                      + (" (each task averaged over the seeds; interval over tasks)" if seeded else ""), "tasks")
+    if seeded:
+        _comparison_table(report.seed_comparison, f"{cand_name} vs {base_name}, seed by seed (the unit of the "
+                          f"verdicts; t interval over seeds)", "seeds")
+        for m in report.seed_comparison.metrics:
+            boot = m.two_way_bootstrap
+            console.print(f"{m.metric}: two-way bootstrap over {boot['seeds']} seeds × {boot['tasks']} tasks: "
+                          f"Δ {boot['mean']:+.4f} [{boot['lo']:.4f}, {boot['hi']:.4f}]", highlight=False)
+    for m in (report.seed_comparison or report.comparison).metrics:
+        console.print(f"[{_COLOURS.get(m.verdict, 'white')}]{m.verdict}[/] {m.metric} ({m.unit} as the unit): "
+                      f"{m.reason}", highlight=False)
     for side, only in ((base_name, report.tasks_only_baseline), (cand_name, report.tasks_only_candidate)):
         if only:
             console.print(f"[yellow]note[/] {len(only)} task(s) only in {side}, left out: {only[:5]}",

@@ -58,7 +58,7 @@ COMMANDS: dict[str, LazyCommand] = {
     "diff": LazyCommand("rollmarket.cli.diff", "diff",
                         "Two training runs side by side: the settings that differ and their headline metrics."),
     "eval": LazyCommand("rollmarket.cli.evals", "eval_group",
-                        "Score stored rollouts again and compare two models' evals task by task."),
+                        "Score stored rollouts again and compare two models' evals by task and by seed."),
     "exchange": LazyCommand("rollmarket.cli.exchange", "exchange", "Run and inspect a rollout exchange."),
     "explain": LazyCommand("rollmarket.cli.explain", "explain",
                            "A dry run of a train config or campaign file: what would run, jobs, tokens, evaluation "

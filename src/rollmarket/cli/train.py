@@ -75,7 +75,9 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
     if resume and not (resume / "config.json").is_file():
         raise TrainConfigError(f"{resume} is not a training run directory (no config.json)",
                                fix="pass a directory that `rollmarket train` made under runs/")
-    cfg = resume_config(resume, list(overrides)) if resume else resolve(config, list(overrides))
+    cfg, warnings = resume_config(resume, list(overrides)) if resume else (resolve(config, list(overrides)), [])
+    for warning in warnings:
+        console.print(f"[yellow]warning[/] {warning.message()}", highlight=False)
     if print_config:
         click.echo(cfg.model_dump_json(indent=2))
         return

@@ -6,12 +6,19 @@ and the tasks with too few samples to tell, and keeps the learnable. With `mode 
 task is sampled in proportion to p(1 − p), p its pass@1: the variance of its reward, which is
 largest where a group's runs most often disagree; with `mode = "keep"` the kept tasks are sampled
 uniformly. `rollmarket train` reads the written file as `rollout.curriculum` (train/loop.py).
+
+A run keeps its curriculum by content: when it begins, the file's bytes are copied into the run
+directory (SAVED_CURRICULUM) and their digest goes into the config (`rollout.curriculum_digest`);
+a resumed run uses that copy, so rebuilding the file for the next run cannot change the tasks of
+this one. A file whose content differs from the run's is a `CurriculumChanged` warning on resume.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -109,14 +116,66 @@ def build_curriculum(profile: ProfileReport, settings: CurriculumSettings = Curr
                       solved=solved, hopeless=hopeless, unmeasured=unmeasured)
 
 
-def load_curriculum(path: str | Path) -> Curriculum:
-    """Read a curriculum file; CurriculumError when it is missing or not one."""
+SAVED_CURRICULUM = "curriculum.json"
+"""The copy of a run's curriculum in its run directory."""
+
+
+def curriculum_digest(data: bytes) -> str:
+    """The digest a run records of its curriculum file's content."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def file_digest(path: str | Path) -> str | None:
+    """`curriculum_digest` of the file at `path`; None when it cannot be read."""
+    try:
+        return curriculum_digest(Path(path).read_bytes())
+    except OSError:
+        return None
+
+
+@dataclass(frozen=True)
+class CurriculumChanged:
+    """A warning on resume: the curriculum file the config names is not the content the run began
+    with (or is gone); the run goes on with its saved copy."""
+
+    path: str | None
+    """The file the resumed config names (None: rollout.curriculum unset)."""
+    saved: str
+    """The run's copy, which it goes on with."""
+    digest: str | None
+    """What the run began with."""
+    found: str | None
+    """The file's digest now; None when it is gone or unset."""
+
+    def message(self) -> str:
+        """One line for the user."""
+        what = ("rollout.curriculum is unset" if self.path is None else f"{self.path} is gone" if self.found is None
+                else f"{self.path} changed since the run began ({self.digest} → {self.found})")
+        return (f"{what}; the run goes on with the curriculum it began with, saved in {self.saved}. Start a new "
+                f"run to train on another curriculum.")
+
+
+def read_curriculum(path: str | Path, digest: str | None = None) -> tuple[Curriculum, bytes]:
+    """A curriculum file and its content; CurriculumError when it is missing or not one, or when
+    `digest` is given and the content is not that one."""
     path = Path(path)
     try:
-        return Curriculum.model_validate_json(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
+        curriculum = Curriculum.model_validate_json(data)
     except OSError as exc:
         raise CurriculumError(f"{path}: cannot read it ({exc.strerror})",
                               fix="write one with `rollmarket curriculum PROFILE --out PATH`") from None
     except (ValidationError, ValueError) as exc:
         raise CurriculumError(f"{path}: not a curriculum ({str(exc).splitlines()[0]})",
                               fix="write one with `rollmarket curriculum PROFILE --out PATH`") from None
+    found = curriculum_digest(data)
+    if digest is not None and found != digest:
+        raise CurriculumError(f"{path}: its content ({found}) is not the curriculum the config names ({digest})",
+                              fix="pass the file the run began with (a run's copy is curriculum.json in its "
+                                  "directory), or unset rollout.curriculum_digest for a new run")
+    return curriculum, data
+
+
+def load_curriculum(path: str | Path, digest: str | None = None) -> Curriculum:
+    """Read a curriculum file (`read_curriculum` without the content)."""
+    return read_curriculum(path, digest)[0]

@@ -68,6 +68,10 @@ class RolloutSection(_Section):
     curriculum: str | None = Field(
         None, description="A curriculum file (`rollmarket curriculum`): sample only its kept training tasks, "
                           "uniformly (keep) or by its weights (weight); None: every training task in turn.")
+    curriculum_digest: str | None = Field(
+        None, description="The digest of the curriculum's content, recorded when a run begins (its copy is "
+                          "curriculum.json in the run directory, which a resumed run uses); set, a curriculum file "
+                          "with other content is refused.")
 
     @property
     def sampling(self) -> int:
@@ -500,7 +504,8 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
         from ..tasks.suites import load_suite
 
         try:
-            load_curriculum(config.rollout.curriculum).select(load_suite(config.rollout.suite, "train"))
+            load_curriculum(config.rollout.curriculum, config.rollout.curriculum_digest).select(
+                load_suite(config.rollout.suite, "train"))
         except CurriculumError as exc:
             raise TrainConfigError(f"rollout.curriculum: {exc}", fix=exc.fix) from None
     known = [p.value for p in Precision]

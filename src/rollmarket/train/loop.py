@@ -62,7 +62,7 @@ from ..gate import budget_report, decide
 from ..gate.budget import valid_token_mask
 from ..observatory.offpolicy import FIGURE_NAMES
 from ..runs import atomic_write_text, code_version, new_run_dir, read_step_rows, record_process, write_json
-from ..tasks.curriculum import load_curriculum
+from ..tasks.curriculum import SAVED_CURRICULUM, CurriculumChanged, curriculum_digest, file_digest, read_curriculum
 from ..tasks.suites import load_suite
 from . import failpoints
 from .advantages import compute_advantages
@@ -222,7 +222,11 @@ class Trainer:
         random.Random(config.rollout.seed).shuffle(self.train_tasks)
         self.curriculum = None
         if config.rollout.curriculum is not None:  # validate() has checked it against the suite
-            self.curriculum = load_curriculum(config.rollout.curriculum)
+            # Kept by content: the config records the digest, and _run_dir saves the copy a resume uses.
+            self.curriculum, self.curriculum_content = read_curriculum(config.rollout.curriculum,
+                                                                       config.rollout.curriculum_digest)
+            self.config = config = config.model_copy(update={"rollout": config.rollout.model_copy(
+                update={"curriculum_digest": curriculum_digest(self.curriculum_content)})})
             self.train_tasks = self.curriculum.select(self.train_tasks)
         self.eval_tasks = load_suite(config.rollout.suite, "heldout")[:config.eval.tasks]
         # Set up by run():
@@ -252,6 +256,8 @@ class Trainer:
             return self.resume
         run_dir = self.given_run_dir or new_run_dir(self.config.runs_root)
         record_process(run_dir)  # a given directory was made by another process (or none)
+        if self.curriculum is not None:  # before config.json, which records its digest
+            atomic_write_text(run_dir / SAVED_CURRICULUM, self.curriculum_content.decode("utf-8"))
         write_json(run_dir / "config.json", {"config": self.config.model_dump(mode="json"), "local": self.local,
                                              "code": code_version()})
         return run_dir
@@ -736,7 +742,22 @@ def train(config: TrainConfig, **kw) -> Path:
     return Trainer(config, **kw).run()
 
 
-def resume_config(run_dir: Path, overrides: list[str] = ()) -> TrainConfig:
-    """The saved config of a run, with overrides (e.g. loop.steps=40 to go further)."""
+def resume_config(run_dir: Path, overrides: list[str] = ()) -> tuple[TrainConfig, list[CurriculumChanged]]:
+    """The saved config of a run, with overrides (e.g. loop.steps=40 to go further), and warnings.
+
+    A run that saved its curriculum goes on with that copy, whatever rollout.curriculum names now:
+    its task picks are a function of the step alone, and a curriculum rebuilt for the next run
+    must not change this one's. A named file with other content (or none) is a CurriculumChanged
+    warning, not an error: the run is still exactly what it was, and a crashed run stays resumable."""
     saved = json.loads((run_dir / "config.json").read_text())
-    return resolve(None, list(overrides), base=saved["config"])
+    config = resolve(None, list(overrides), base=saved["config"])
+    copy = run_dir / SAVED_CURRICULUM
+    if not copy.is_file():
+        return config, []
+    began = saved["config"]["rollout"].get("curriculum_digest")
+    named = config.rollout.curriculum
+    found = None if named is None else file_digest(named)
+    warnings = [] if found is not None and found == began else [
+        CurriculumChanged(path=named, saved=str(copy), digest=began, found=found)]
+    return config.model_copy(update={"rollout": config.rollout.model_copy(
+        update={"curriculum": str(copy), "curriculum_digest": began})}), warnings

@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..contracts import TaskSpec
+from ..contracts import TaskSpec, VerifyResult
 from .verifier import VerifierConfigError, get_verifier
 
 MAX_UNPACKED_BYTES = 64 * 1024 * 1024
@@ -276,6 +276,18 @@ def _instructions(row: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
 
 _CONVERT = {GymDataset.math: _math, GymDataset.mcqa: _mcqa, GymDataset.code: _code,
             GymDataset.instructions: _instructions}
+
+
+# Gym's code_gen and instruction_following give 1 only when every test or instruction holds; ours
+# give the fraction (kept in the verdict), so a Gym client gets Gym's number as `reward`.
+_ALL_OR_NOTHING = {GymDataset.code.value, GymDataset.instructions.value}
+
+
+def gym_reward(task: TaskSpec, verdict: VerifyResult) -> float:
+    """The reward Gym's own server would give a row's task: all or nothing for code and instructions."""
+    if task.metadata.get("gym_dataset") in _ALL_OR_NOTHING:
+        return 1.0 if verdict.passed else 0.0
+    return verdict.reward
 
 
 def import_rows(lines: list[str], dataset: GymDataset | str = GymDataset.auto) -> list[TaskSpec]:

@@ -170,3 +170,20 @@ def test_import_gym_writes_tasks_that_score_like_the_server(tmp_path):
     refused = subprocess.run(rollmarket_command("verifier", "import-gym", str(bad), "--out", str(tmp_path / "no")),
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "line 2" in refused.stderr and not (tmp_path / "no").exists(), refused.stderr
+
+
+HOSTILE = [None, 0, -5, True, 1e308, "", "x", "\u0000", [], {}, [None], [[1]], [{}], {"a": None}, ["A"] * 3,
+           {"unit_tests": {"inputs": [1], "outputs": [2]}}, {"unit_tests": {"packed": 5}}, [{"A": 1}, {"B": []}]]
+
+
+@pytest.mark.parametrize("field", ["expected_answer", "options", "verifier_metadata", "instruction_id_list",
+                                   "kwargs", "responses_create_params", "question"])
+def test_hostile_row_fields_are_row_errors_or_tasks_never_crashes(field):
+    bases = [MATH, MCQA, CODE_IO, IFEVAL]
+    for base in bases:
+        for value in HOSTILE:
+            try:
+                task = task_from_row({**base, field: value})
+            except GymRowError:
+                continue
+            assert isinstance(task, TaskSpec)

@@ -108,6 +108,13 @@ def test_the_expected_values_never_enter_the_sandbox():
     assert "'not found'" in got.info["results"][0]["error"], got.info  # what the code gave, shown by us
 
 
+def test_values_cross_as_plain_data_whatever_their_size():
+    tests = ["assert big() == 7 ** 6000", "assert mixed() == {(1, 'a'): [b'x', 2.5, None, {3}], 'n': -4}"]
+    answer = "def big():\n    return 7 ** 6000\ndef mixed():\n    return {(1, 'a'): [b'x', 2.5, None, {3}], 'n': -4}"
+    assert verify(task(tests=tests), answer).passed
+    assert verify(task(tests=tests), answer.replace("7 ** 6000", "7 ** 6000 + 1").replace("-4}", "-5}")).reward == 0
+
+
 @pytest.mark.parametrize("test, values, held", [
     ("assert f() == (1, 2)", [(1, 2)], True),
     ("assert f() == (1, 2)", [[1, 2]], False),  # a list is not a tuple, as in Python

@@ -145,6 +145,8 @@ def test_a_named_dataset_reads_rows_as_that_dataset_only():
         math_row = client.post("/verify", json=body(MATH, "\\boxed{\\frac{1}{2}}"))
         assert math_row.status_code == 422 and "options" in math_row.json()["error"]["message"]
         assert client.post("/verify", json=body(MCQA, "\\boxed{B}")).json()["reward"] == 1.0
+        documented = client.get("/openapi.json").json()["components"]["schemas"]["GymVerifyRequest"]["properties"]
+        assert {"expected_answer", "options", "verifier_metadata", "instruction_id_list", "kwargs"} <= set(documented)
 
 
 def test_an_explicit_task_wins_over_the_rows_fields(server):

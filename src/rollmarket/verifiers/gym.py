@@ -36,7 +36,16 @@ class GymVerifyRequest(Record):
 
     responses_create_params: dict[str, Any] = Field(description="The Responses request the run started from.")
     response: dict[str, Any] = Field(description="The Responses object the run ended with (its `output` items).")
-    task: TaskSpec | None = Field(default=None, description="The task; default: the session's task.")
+    task: TaskSpec | None = Field(default=None, description="The task; default: the row's Gym dataset fields, "
+                                  "else the session's task.")
+    # A Gym dataset row's own fields (verifiers/gym_rows.py reads and checks them; typed here only for
+    # the schema, so that a row that does not fit gets the row reader's message, naming the field).
+    expected_answer: Any = Field(default=None, description="math and mcqa rows: the expected answer (mcqa: a letter).")
+    options: Any = Field(default=None, description='mcqa rows: [{"A": text}, {"B": text}, ...].')
+    verifier_metadata: Any = Field(default=None, description="code_gen rows: {unit_tests: {inputs, outputs, "
+                                   "fn_name}} or {unit_tests: {packed, fn_name}}.")
+    instruction_id_list: Any = Field(default=None, description="instruction_following rows: IFEval instruction ids.")
+    kwargs: Any = Field(default=None, description="instruction_following rows: one object of arguments per id.")
 
 
 def is_gym_body(payload: Any) -> bool:

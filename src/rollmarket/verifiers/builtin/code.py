@@ -165,8 +165,10 @@ def _why(_exc):
     return _traceback.format_exception_only(_type(_exc), _exc)[-1].strip()[:300]
 def _plain(_v):
     _t = _type(_v)
-    if _v is None or _t is bool or _t is int or _t is str:
+    if _v is None or _t is bool or _t is str:
         return ["v", _v]
+    if _t is int:  # in hex: decimal conversions of huge ints are refused past 4300 digits
+        return ["int", hex(_v)]
     if _t is float:
         return ["float", _repr(_v)]
     if _t is bytes:
@@ -232,8 +234,10 @@ def _decode(node: Any) -> Any:
     if not isinstance(node, list) or len(node) != 2 or not isinstance(node[0], str):
         raise BadReport("not a tagged value")
     tag, body = node
-    if tag == "v" and (body is None or type(body) in (bool, int, str)):
+    if tag == "v" and (body is None or type(body) in (bool, str)):
         return body
+    if tag == "int" and isinstance(body, str):
+        return int(body, 16)
     if tag == "float" and isinstance(body, str):
         return float(body)
     if tag == "bytes" and isinstance(body, str):

@@ -99,6 +99,10 @@ def test_gym_rows_are_scored_by_the_matching_family(server):
         assert out["reward"] == pytest.approx(reward), (row_, answer, out["verification"])
         assert out["verification"]["reward"] == pytest.approx(ours_reward)
         assert {k: out[k] for k in sent} == sent  # Gym's answer echoes the request, row fields included
+        if verifier == "multiple_choice":  # what Gym's servers add: the answer as read
+            assert out["extracted_answer"] == ("B" if reward else "A")
+        if verifier == "code":
+            assert out["extracted_model_code"] == answer.split("```python\n")[1].split("```")[0].strip()
         # The row's task, given as our own task, gets the same verdict: the row was read, not guessed.
         task = task_from_row(row_)
         assert task.verifier == verifier

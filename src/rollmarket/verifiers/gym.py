@@ -130,8 +130,9 @@ def run_tool_calls(body: GymVerifyRequest) -> list[ToolCallRecord] | None:
     return calls or None
 
 
-def gym_answer(payload: dict[str, Any], verdict: VerifyResult, reward: float | None = None) -> dict[str, Any]:
-    """Gym's BaseVerifyResponse (the request echoed, plus `reward`: the verdict's unless given), with
-    our verdict beside it."""
-    return {**payload, "reward": verdict.reward if reward is None else reward,
+def gym_answer(payload: dict[str, Any], verdict: VerifyResult, reward: float | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Gym's BaseVerifyResponse (the request echoed, plus `reward`: the verdict's unless given, and any
+    `extra` fields), with our verdict beside it."""
+    return {**payload, **(extra or {}), "reward": verdict.reward if reward is None else reward,
             "verification": verdict.model_dump(mode="json")}

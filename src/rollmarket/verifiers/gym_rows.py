@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..contracts import TaskSpec, VerifyResult
+from .builtin.code import extract_code
 from .verifier import VerifierConfigError, get_verifier
 
 MAX_UNPACKED_BYTES = 64 * 1024 * 1024
@@ -288,6 +289,17 @@ def gym_reward(task: TaskSpec, verdict: VerifyResult) -> float:
     if task.metadata.get("gym_dataset") in _ALL_OR_NOTHING:
         return 1.0 if verdict.passed else 0.0
     return verdict.reward
+
+
+def gym_extracted(task: TaskSpec, verdict: VerifyResult, answer: str | None) -> dict[str, Any]:
+    """The fields Gym's servers add for what they read from the answer (their metrics group samples by
+    them): `extracted_answer` for math and mcqa rows, `extracted_model_code` for code rows."""
+    dataset = task.metadata.get("gym_dataset")
+    if dataset in (GymDataset.math.value, GymDataset.mcqa.value):
+        return {"extracted_answer": verdict.info.get("canonical")}
+    if dataset == GymDataset.code.value:
+        return {"extracted_model_code": extract_code(answer or "") or None}
+    return {}
 
 
 def import_rows(lines: list[str], dataset: GymDataset | str = GymDataset.auto) -> list[TaskSpec]:

@@ -50,7 +50,7 @@ from ..contracts import (
 from ..contracts.limits import MAX_KEY_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from .builtin.llm_judge import check_judge_policy
 from .gym import GymBodyError, GymVerifyRequest, final_answer, gym_answer, is_gym_body, read_gym_body, run_tool_calls
-from .gym_rows import GymRowError, gym_reward, has_row_fields, task_from_row
+from .gym_rows import GymRowError, gym_extracted, gym_reward, has_row_fields, task_from_row
 from .sessions import (
     CALL_ID_HEADER,
     SESSION_COOKIE,
@@ -361,8 +361,8 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
             verdict = await in_pool(lambda: verifier.verify(task, answer, tool_calls=calls))
         except VerifierConfigError as exc:
             raise Fault(ErrorCode.invalid_request, str(exc)) from None
-        return JSONResponse(gym_answer(payload, verdict, gym_reward(task, verdict)),
-                            headers={"x-rollmarket-tool-calls": source})
+        answered = gym_answer(payload, verdict, gym_reward(task, verdict), gym_extracted(task, verdict, answer))
+        return JSONResponse(answered, headers={"x-rollmarket-tool-calls": source})
 
     def _verifier(task: TaskSpec):
         try:

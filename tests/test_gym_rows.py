@@ -106,6 +106,10 @@ def test_gym_rows_are_scored_by_the_matching_family(server):
         # The row's task, given as our own task, gets the same verdict: the row was read, not guessed.
         task = task_from_row(row_)
         assert task.verifier == verifier
+        # The row's conversation (a system prompt, then the question) is the task's, its last user text the prompt.
+        assert task.messages == [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": row_["responses_create_params"]["input"][1]["content"]}]
+        assert task.prompt == task.messages[1]["content"]
         ours = post(server.url, "/verify", {"task": task.model_dump(mode="json"), "answer": answer})
         assert ours.json()["reward"] == pytest.approx(ours_reward)
 

@@ -87,7 +87,8 @@ def _items(value: Any, where: str, *, required: bool) -> list[dict[str, Any]]:
     return value
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a Responses content: a string, or the `text` of each part joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -100,7 +101,7 @@ def final_answer(body: GymVerifyRequest) -> str | None:
     """The text of the last assistant message of the response; None when it ended without one."""
     for item in reversed(_items(body.response.get("output"), "response.output", required=True)):
         if item.get("type", "message") == "message" and item.get("role", "assistant") == "assistant":
-            return _text(item.get("content"))
+            return content_text(item.get("content"))
     return None
 
 
@@ -123,7 +124,7 @@ def run_tool_calls(body: GymVerifyRequest) -> list[ToolCallRecord] | None:
         call_id = str(item.get("call_id") or item.get("id") or f"call_{i}")
         output = outputs.get(call_id)
         # A call with no output never ran: the verifier sees it as a call that produced an error.
-        result = ToolResult(name=name, content=_text(output) if output is not None else "error: no output",
+        result = ToolResult(name=name, content=content_text(output) if output is not None else "error: no output",
                             outcome=ToolOutcome.ok if output is not None else ToolOutcome.error)
         calls.append(ToolCallRecord(id=call_id, name=name, raw_arguments=raw,
                                     arguments=parsed if isinstance(parsed, dict) else None, result=result))

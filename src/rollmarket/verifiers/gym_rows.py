@@ -16,7 +16,8 @@ dataset            the row's fields (Gym's server)                             o
 The dataset is named (``--gym-dataset``) or, with ``auto``, read from which of these fields the
 row has; fields of two datasets, or of none, are a GymRowError that names them. The prompt is the
 row's user text (the last user message of ``responses_create_params.input``, else ``question`` or
-``prompt``). Only what a family can score the way Gym's server does is converted: an IFEval
+``prompt``); an input of several messages (a system prompt, earlier turns) is kept as the task's
+messages. Only what a family can score the way Gym's server does is converted: an IFEval
 instruction id we have no constraint for, options not lettered A, B, C... in order, or unit tests
 that do not fit are GymRowErrors too, never a task that scores something else.
 """
@@ -37,6 +38,7 @@ from pydantic import ValidationError
 
 from ..contracts import TaskSpec, VerifyResult
 from .builtin.code import extract_code
+from .gym import content_text
 from .verifier import VerifierConfigError, get_verifier
 
 MAX_UNPACKED_BYTES = 64 * 1024 * 1024
@@ -90,7 +92,9 @@ def task_from_row(row: dict[str, Any], dataset: GymDataset | str = GymDataset.au
         raise GymRowError("no Gym dataset fields (expected_answer, options, verifier_metadata, "
                           "instruction_id_list): give them, a `task`, or seed a session")
     verifier, answer, args = _CONVERT[chosen](row)
-    raw = {"task_id": task_id or _row_id(row), "prompt": _prompt(row), "verifier": verifier, "answer": answer,
+    prompt, messages = _conversation(row)
+    raw = {"task_id": task_id or _row_id(row), "prompt": prompt, "messages": messages, "verifier": verifier,
+           "answer": answer,
            "verifier_args": args, "metadata": {"gym_dataset": chosen.value}}
     try:
         task = TaskSpec.model_validate(raw)
@@ -112,28 +116,24 @@ def _row_id(row: dict[str, Any]) -> str:
     return f"gym-{digest[:16]}"
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content
-                       if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return ""
-
-
-def _prompt(row: dict[str, Any]) -> str:
+def _conversation(row: dict[str, Any]) -> tuple[str, list[dict[str, str]] | None]:
+    """The task's prompt (the last user text) and, when the input holds more than one user
+    message, its messages (developer is system; function calls of an earlier run are left out)."""
     params = row.get("responses_create_params")
     given = params.get("input") if isinstance(params, dict) else None
     if isinstance(given, str) and given.strip():
-        return given
-    if isinstance(given, list):
-        users = [_text(item.get("content")) for item in given
-                 if isinstance(item, dict) and item.get("role") == "user"]
-        if users and users[-1].strip():
-            return users[-1]
+        return given, None
+    messages = []
+    for item in given if isinstance(given, list) else []:
+        if isinstance(item, dict) and item.get("type", "message") == "message" and isinstance(item.get("role"), str):
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": content_text(item.get("content"))})
+    users = [m["content"] for m in messages if m["role"] == "user" and m["content"].strip()]
+    if users:
+        return users[-1], (messages if len(messages) > 1 else None)
     for key in ("question", "prompt"):
         if isinstance(row.get(key), str) and row[key].strip():
-            return row[key]
+            return row[key], None
     raise GymRowError("responses_create_params.input: no user message (and no question or prompt field)")
 
 

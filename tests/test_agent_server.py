@@ -180,6 +180,25 @@ def test_a_gym_run_request_gets_a_gym_verify_response(stack):
     assert gym["response"]["output"][-1]["content"][0]["text"] == "word-5"
 
 
+def test_a_gym_dataset_row_runs_without_our_task_fields(stack):
+    """A /run body that is a Gym dataset row (mcqa's options + expected_answer, code_gen's unit tests)
+    is scored by the matching family; code rows get Gym's all-or-nothing reward, ours the fraction."""
+    model, resources, agent = stack
+    params = {"input": [{"role": "user", "content": "Read secret.txt."}],
+              "tools": [{"type": "function", "name": "read_file",
+                         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]}
+    mcqa = {"responses_create_params": params, "options": [{"A": "Lyon"}, {"B": "Paris"}], "expected_answer": "B",
+            "files": {"secret.txt": "\\boxed{B}"}}
+    code = {"responses_create_params": params, "files": {"secret.txt": "print(5)"},
+            "verifier_metadata": {"unit_tests": {"inputs": ["2 3", "1 1"], "outputs": ["5", "2"], "fn_name": None}}}
+    picked = httpx.post(agent.url + "/run", json=mcqa, timeout=60).json()
+    assert picked["reward"] == 1.0 and picked["rollmarket"]["trajectory"]["verification"]["passed"], picked
+    half = httpx.post(agent.url + "/run", json=code, timeout=60).json()
+    assert (half["reward"], half["rollmarket"]["reward"]) == (0.0, 0.5), half
+    bad = httpx.post(agent.url + "/run", json={**mcqa, "expected_answer": "Q"}, timeout=60)
+    assert bad.status_code == 422 and "expected_answer" in bad.json()["error"]["message"]
+
+
 def test_the_single_call_loop_offers_no_tools_and_verifies(stack, tmp_path):
     model, resources, _ = stack
     single = agent_server(tmp_path, model.url + "/v1", resources.url, "--loop", "single")

@@ -3,7 +3,8 @@
 A Gym run request is a dataset row: `responses_create_params` (the OpenAI Responses API request:
 `input`, `tools`, `temperature`, `top_p`, `max_output_tokens`) beside the task's own fields. Here
 those fields are TaskSpec's (`verifier`, `answer` or Gym's `expected_answer`, `verifier_args`,
-`files`, `task_id`, `metadata`). The answer is Gym's verify response: the request's fields, the
+`files`, `task_id`, `metadata`), or, without `verifier`, a Gym dataset row's own fields
+(verifiers/gym_rows.py: math, mcqa, code_gen, instruction_following). The answer is Gym's verify response: the request's fields, the
 `response` (a Responses API object whose output items carry Gym's training fields
 `prompt_token_ids`, `generation_token_ids`, `generation_log_probs`) and the `reward`.
 """
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from ..contracts import AgentTrajectory, SamplingConfig, TaskSpec, canonical_json
+from ..verifiers.gym_rows import GymRowError, gym_reward, has_row_fields, task_from_row
 
 GYM_KEY = "responses_create_params"
 """The field that marks a body as Gym's."""
@@ -68,6 +70,15 @@ def gym_task(data: dict) -> tuple[TaskSpec, SamplingConfig]:
             raise GymBodyError(f"{GYM_KEY}.tools: only function tools with a name are offered")
         tools.append(str(tool["name"]))
     fields = {key: data[key] for key in _TASK_FIELDS if key in data}
+    if "verifier" not in fields and has_row_fields(data):
+        # A row of one of Gym's datasets (math, mcqa, code_gen, instruction_following): its own
+        # fields name the verifier and its args, as the resources server reads them on /verify.
+        try:
+            row = task_from_row(data)
+        except GymRowError as exc:
+            raise GymBodyError(str(exc)) from None
+        fields = {"task_id": row.task_id, **fields, "verifier": row.verifier, "answer": row.answer,
+                  "verifier_args": row.verifier_args, "metadata": {**row.metadata, **fields.get("metadata", {})}}
     if "answer" not in fields and "expected_answer" in data:
         fields["answer"] = data["expected_answer"]
     messages = _messages(params)
@@ -84,8 +95,9 @@ def _listed(array: Any) -> list:
     return [] if array is None else array.tolist()
 
 
-def gym_response(data: dict, run: AgentTrajectory) -> dict[str, Any]:
-    """Gym's verify response for a run: the request's fields, `response` and `reward`."""
+def gym_response(data: dict, run: AgentTrajectory, task: TaskSpec | None = None) -> dict[str, Any]:
+    """Gym's verify response for a run: the request's fields, `response` and `reward` (all or nothing
+    for a task made from a Gym code or instructions row, as Gym's servers give it)."""
     output: list[dict[str, Any]] = []
     for step in run.steps:
         training = {
@@ -112,4 +124,5 @@ def gym_response(data: dict, run: AgentTrajectory) -> dict[str, Any]:
                 "model": run.model, "output": output, "status": "incomplete" if incomplete else "completed",
                 "incomplete_details": incomplete, "parallel_tool_calls": True, "tool_choice": "auto",
                 "tools": data[GYM_KEY].get("tools") or []}
-    return {**data, "response": response, "reward": run.reward}
+    reward = gym_reward(task, run.verification) if task is not None and run.verification is not None else run.reward
+    return {**data, "response": response, "reward": reward}

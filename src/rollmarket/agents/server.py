@@ -215,7 +215,7 @@ def create_agent_app(settings: AgentServerSettings, runner: AgentRunner | None =
         if not gym:  # a rollmarket request answered in Gym's shape: its task as a Gym row
             data = {GYM_KEY: {"input": task_messages(body.task)},
                     **body.task.model_dump(mode="json", exclude={"messages", "prompt", "tools"})}
-        return JSONResponse({**gym_response(data, trajectory), "rollmarket": ours})
+        return JSONResponse({**gym_response(data, trajectory, body.task), "rollmarket": ours})
 
     return app
 

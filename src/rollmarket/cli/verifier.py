@@ -1,6 +1,10 @@
-"""`rollmarket verifier`: the verifiers as a resources server (tools and /verify over HTTP)."""
+"""`rollmarket verifier`: the verifiers as a resources server (tools and /verify over HTTP), and NeMo Gym
+dataset files imported as tasks."""
 
 from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -40,3 +44,32 @@ def verifier_serve(log_level: str, access_log: bool, **values) -> None:
                   f"(verifiers: {', '.join(sorted(VERIFIERS))}; sessions idle {settings.session_ttl_s:g}s, "
                   f"at most {settings.max_sessions})", highlight=False)
     serve(settings, log_level=log_level, access_log=access_log)
+
+
+@verifier.command("import-gym")
+@click.argument("rows_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="ROWS")
+@click.option("--out", "out_file", type=click.Path(path_type=Path), required=True, help="Tasks file (JSONL) to write.")
+@click.option("--dataset", default="auto", show_default=True,
+              type=click.Choice(["auto", "math", "mcqa", "code", "instructions"]),
+              help="The NeMo Gym dataset the rows were written for; auto: read it from each row's fields.")
+def verifier_import_gym(rows_file: Path, out_file: Path, dataset: str) -> None:
+    """Turn a NeMo Gym dataset file (JSONL rows) into a tasks file, one task per row.
+
+    The rows' own fields (math's expected_answer, mcqa's options, code_gen's unit tests,
+    instruction_following's instruction_id_list and kwargs) become each task's verifier and args,
+    as /verify reads them. A row that does not fit stops the import, naming its line; nothing is
+    written then.
+    """
+    from ..tasks.suites import write_tasks
+    from ..verifiers.gym_rows import GymRowError, import_rows
+
+    try:
+        tasks = import_rows(rows_file.read_text(encoding="utf-8").splitlines(), dataset)
+    except GymRowError as exc:
+        raise click.ClickException(f"{rows_file}: {exc}") from None
+    if not tasks:
+        raise click.ClickException(f"{rows_file}: no rows")
+    write_tasks(tasks, out_file)
+    kinds = Counter(task.verifier for task in tasks)
+    console.print(f"wrote {len(tasks)} tasks to {out_file} ("
+                  f"{', '.join(f'{n} {name}' for name, n in sorted(kinds.items()))})", highlight=False)

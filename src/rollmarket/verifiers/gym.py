@@ -36,7 +36,16 @@ class GymVerifyRequest(Record):
 
     responses_create_params: dict[str, Any] = Field(description="The Responses request the run started from.")
     response: dict[str, Any] = Field(description="The Responses object the run ended with (its `output` items).")
-    task: TaskSpec | None = Field(default=None, description="The task; default: the session's task.")
+    task: TaskSpec | None = Field(default=None, description="The task; default: the row's Gym dataset fields, "
+                                  "else the session's task.")
+    # A Gym dataset row's own fields (verifiers/gym_rows.py reads and checks them; typed here only for
+    # the schema, so that a row that does not fit gets the row reader's message, naming the field).
+    expected_answer: Any = Field(default=None, description="math and mcqa rows: the expected answer (mcqa: a letter).")
+    options: Any = Field(default=None, description='mcqa rows: [{"A": text}, {"B": text}, ...].')
+    verifier_metadata: Any = Field(default=None, description="code_gen rows: {unit_tests: {inputs, outputs, "
+                                   "fn_name}} or {unit_tests: {packed, fn_name}}.")
+    instruction_id_list: Any = Field(default=None, description="instruction_following rows: IFEval instruction ids.")
+    kwargs: Any = Field(default=None, description="instruction_following rows: one object of arguments per id.")
 
 
 def is_gym_body(payload: Any) -> bool:
@@ -78,7 +87,8 @@ def _items(value: Any, where: str, *, required: bool) -> list[dict[str, Any]]:
     return value
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """The text of a Responses content: a string, or the `text` of each part joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -91,7 +101,7 @@ def final_answer(body: GymVerifyRequest) -> str | None:
     """The text of the last assistant message of the response; None when it ended without one."""
     for item in reversed(_items(body.response.get("output"), "response.output", required=True)):
         if item.get("type", "message") == "message" and item.get("role", "assistant") == "assistant":
-            return _text(item.get("content"))
+            return content_text(item.get("content"))
     return None
 
 
@@ -114,13 +124,16 @@ def run_tool_calls(body: GymVerifyRequest) -> list[ToolCallRecord] | None:
         call_id = str(item.get("call_id") or item.get("id") or f"call_{i}")
         output = outputs.get(call_id)
         # A call with no output never ran: the verifier sees it as a call that produced an error.
-        result = ToolResult(name=name, content=_text(output) if output is not None else "error: no output",
+        result = ToolResult(name=name, content=content_text(output) if output is not None else "error: no output",
                             outcome=ToolOutcome.ok if output is not None else ToolOutcome.error)
         calls.append(ToolCallRecord(id=call_id, name=name, raw_arguments=raw,
                                     arguments=parsed if isinstance(parsed, dict) else None, result=result))
     return calls or None
 
 
-def gym_answer(payload: dict[str, Any], verdict: VerifyResult) -> dict[str, Any]:
-    """Gym's BaseVerifyResponse (the request echoed, plus `reward`), with our verdict beside it."""
-    return {**payload, "reward": verdict.reward, "verification": verdict.model_dump(mode="json")}
+def gym_answer(payload: dict[str, Any], verdict: VerifyResult, reward: float | None = None,
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Gym's BaseVerifyResponse (the request echoed, plus `reward`: the verdict's unless given, and any
+    `extra` fields), with our verdict beside it."""
+    return {**payload, **(extra or {}), "reward": verdict.reward if reward is None else reward,
+            "verification": verdict.model_dump(mode="json")}

@@ -50,6 +50,7 @@ from ..contracts import (
 from ..contracts.limits import MAX_KEY_LENGTH, MAX_NAME_LENGTH, MAX_TEXT_LENGTH
 from .builtin.llm_judge import check_judge_policy
 from .gym import GymBodyError, GymVerifyRequest, final_answer, gym_answer, is_gym_body, read_gym_body, run_tool_calls
+from .gym_rows import GymRowError, gym_extracted, gym_reward, has_row_fields, task_from_row
 from .sessions import (
     CALL_ID_HEADER,
     SESSION_COOKIE,
@@ -336,9 +337,22 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         except GymBodyError as exc:
             raise Fault(ErrorCode.invalid_request, str(exc), {"shape": "nemo_gym"}) from None
         session = caller(request) if session_id_of(request) else None
-        task = body.task or (session.task if session is not None else None)
+        task = body.task
+        if task is None and has_row_fields(payload):  # the row's own fields, as Gym's servers read them
+            try:
+                task = task_from_row(payload, settings.gym_dataset)
+            except GymRowError as exc:
+                raise Fault(ErrorCode.invalid_request, str(exc), {"shape": "nemo_gym", "gym_dataset":
+                                                                  settings.gym_dataset}) from None
+        task = task or (session.task if session is not None else None)
         if task is None:
-            raise Fault(ErrorCode.invalid_request, "task: required beside a NeMo Gym body (the session has no task)")
+            raise Fault(ErrorCode.invalid_request, "task: required beside a NeMo Gym body: a `task`, the fields of "
+                        "a Gym dataset row (expected_answer, options, verifier_metadata, instruction_id_list) or a "
+                        "seeded session", {"shape": "nemo_gym"})
+        try:
+            check_judge_policy(task, settings.judge_url_list)
+        except VerifierConfigError as exc:
+            raise Fault(ErrorCode.invalid_request, str(exc)) from None
         source = "response"
         if calls is None:
             calls, source = (session.recorded(), "session") if session is not None else ([], "none")
@@ -347,7 +361,8 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
             verdict = await in_pool(lambda: verifier.verify(task, answer, tool_calls=calls))
         except VerifierConfigError as exc:
             raise Fault(ErrorCode.invalid_request, str(exc)) from None
-        return JSONResponse(gym_answer(payload, verdict), headers={"x-rollmarket-tool-calls": source})
+        answered = gym_answer(payload, verdict, gym_reward(task, verdict), gym_extracted(task, verdict, answer))
+        return JSONResponse(answered, headers={"x-rollmarket-tool-calls": source})
 
     def _verifier(task: TaskSpec):
         try:

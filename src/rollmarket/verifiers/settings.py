@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -26,6 +28,10 @@ class ResourcesSettings(BaseModel):
     reap_interval_s: float = Field(5.0, gt=0, description="How often expired sessions are looked for.")
     judge_urls: str = Field("", description="Comma-separated base URLs that llm_judge tasks may call; "
                             "empty: llm_judge tasks are refused.")
+
+    gym_dataset: Literal["auto", "math", "mcqa", "code", "instructions"] = Field(
+        "auto", description="Which NeMo Gym dataset the rows of Gym /verify bodies come from (their fields become "
+        "a task); auto: read it from the fields.")
 
     @property
     def judge_url_list(self) -> tuple[str, ...]:

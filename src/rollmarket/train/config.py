@@ -171,6 +171,11 @@ class TrainerSection(_Section):
         False, description="Keep only each decoder layer's input in the update's forward and recompute the layer in "
                            "the backward (transformers' gradient checkpointing): the body's activations drop from "
                            "every layer's to one layer's, for one more forward of the body.")
+    learner_ranks: int = Field(
+        1, ge=1, description="Processes the learner trains over (FSDP2, data parallel, weights and optimizer "
+                             "sharded): rank i on cuda:i with NCCL when model.device is CUDA, else gloo on the CPU. "
+                             "Rank 0 runs the loop and writes the run; the others are started by it "
+                             "(docs/training.md, \"Several GPUs\").")
 
 
 class OptimSection(_Section):

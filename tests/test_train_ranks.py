@@ -114,3 +114,84 @@ def test_two_ranks_score_step_save_and_resume_as_one_process(tmp_path):
     single.step(data, 0.8)
     single.save(tmp_path / "one" / "v0003", version=3, extra_state=state)
     _same_checkpoint(tmp_path / "ranks" / "v0003", tmp_path / "one" / "v0003")
+
+
+QUICK = [f"model.path={json.dumps(str(MODEL))}", "rollout.suite=arithmetic", "rollout.groups_per_step=2",
+         "rollout.group_size=2", "rollout.temperature=2.0", "rollout.max_tokens=32", "agent.max_turns=2",
+         "rollout.precisions=['bf16']", "eval.tasks=0", "optim.lr=1e-4", "loop.fetch_timeout_s=120",
+         "loop.quorum_timeout_s=120", "local.lease_ttl_s=8", "local.workers=['bf16']", "model.threads=1",
+         "trainer.learner_ranks=2"]
+STOP_S = 90.0
+"""Longest the trainer may take to exit once a rank is dead (ranks.GRACE_S plus teardown of the local cluster)."""
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of `pid`: their command lines."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return out
+
+
+def _wait_for(condition, timeout: float, what: str, process: subprocess.Popen | None = None):
+    """`condition()`'s first true value, polled; fails after `timeout` or when `process` ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (value := condition()):
+            return value
+        assert process is None or process.poll() is None, f"the trainer exited before {what}: {process.communicate()}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {timeout:.0f}s")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_trainer_and_the_run_resumes(tmp_path):
+    from test_train_resume import check_run, jsonl
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("ROLLMARKET_FAILPOINTS", None)
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "rollmarket", "train", "--local", *QUICK, "loop.steps=3",
+         f"runs_root={json.dumps(str(tmp_path))}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        run_dir = _wait_for(lambda: next(tmp_path.iterdir(), None), 120, "run directory", trainer)
+        _wait_for(lambda: any(r["step"] == 1 for r in jsonl(run_dir / "metrics.jsonl")), 300, "step 1", trainer)
+        ranks = {pid: cmd for pid, cmd in _children(trainer.pid).items() if "spawn_main" in cmd}
+        assert len(ranks) == 1, _children(trainer.pid)
+        (rank1,) = ranks
+        others = {pid: cmd for pid, cmd in _children(trainer.pid).items() if pid != rank1}  # exchange, workers
+        os.kill(rank1, signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, err = trainer.communicate(timeout=STOP_S)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate()
+    assert trainer.returncode != 0
+    stopped_s = time.monotonic() - killed_at
+    assert stopped_s < STOP_S
+    print(f"stopped {stopped_s:.1f}s after the kill: {err.strip().splitlines()[-1]}")
+    assert f"learner rank 1 (pid {rank1}) was killed by signal 9" in out + err, (out, err)
+    # Nothing is left behind: the local exchange and workers were stopped with the trainer.
+    _wait_for(lambda: all(_state(pid) == "Z" for pid in others), 30, "the trainer's children to exit")
+    done = {r["step"] for r in jsonl(run_dir / "metrics.jsonl")}
+    assert 1 in done and 3 not in done, done
+
+    resumed = subprocess.run([sys.executable, "-m", "rollmarket", "train", "--resume", str(run_dir), "--local"],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)
+    check_run(run_dir, run_dir / "exchange.db", steps=3, groups_per_step=2, group_size=2)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter; "Z" for one that is gone too."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "Z"

@@ -4,7 +4,8 @@ The equivalence case runs the real launch in this process (rank 0) with one spaw
 plain Learner beside it on the same rows: π_old scores, two steps (one of them with a rank left a
 padding row), the checkpoint files, and a resume that restores the gathered optimizer state, all
 against the single process. The failure case is a real `rollmarket train --local` whose rank 1 is
-killed with SIGKILL: the trainer exits non-zero with a message naming it, and `--resume` finishes.
+killed with SIGKILL after its first step: the trainer exits non-zero with a message naming it, its
+local exchange and workers stop, and `--resume` finishes the run (held-out evaluation included).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def test_two_ranks_score_step_save_and_resume_as_one_process(tmp_path):
 
 QUICK = [f"model.path={json.dumps(str(MODEL))}", "rollout.suite=arithmetic", "rollout.groups_per_step=2",
          "rollout.group_size=2", "rollout.temperature=2.0", "rollout.max_tokens=32", "agent.max_turns=2",
-         "rollout.precisions=['bf16']", "eval.tasks=0", "optim.lr=1e-4", "loop.fetch_timeout_s=120",
+         "rollout.precisions=['bf16']", "eval.tasks=1", "eval.samples=1", "optim.lr=1e-4", "loop.fetch_timeout_s=120",
          "loop.quorum_timeout_s=120", "local.lease_ttl_s=8", "local.workers=['bf16']", "model.threads=1",
          "trainer.learner_ranks=2"]
 STOP_S = 90.0
@@ -186,7 +187,8 @@ def test_a_killed_rank_stops_the_trainer_and_the_run_resumes(tmp_path):
     resumed = subprocess.run([sys.executable, "-m", "rollmarket", "train", "--resume", str(run_dir), "--local"],
                              capture_output=True, text=True, env=env, timeout=300)
     assert resumed.returncode == 0, (resumed.stdout, resumed.stderr)
-    check_run(run_dir, run_dir / "exchange.db", steps=3, groups_per_step=2, group_size=2)
+    # Evaluated before and after (rank 0 serves the checkpoint): one row per step, step 0 too.
+    check_run(run_dir, run_dir / "exchange.db", steps=3, groups_per_step=2, group_size=2, evaluated=True)
 
 
 def _state(pid: int) -> str:

@@ -263,7 +263,8 @@ def learner_ranks(config: TrainConfig, *, resume_from: Path | None = None):
     except BaseException as exc:
         watch.handling.set()
         # A collective with a dead rank may fail just before the watch sees the exit.
-        deadline = time.monotonic() + (10 if isinstance(exc, (RuntimeError, KeyboardInterrupt)) else 0)
+        peer_failure = isinstance(exc, (RuntimeError, KeyboardInterrupt)) and not isinstance(exc, TrainingError)
+        deadline = time.monotonic() + (10 if peer_failure else 0)
         while watch.failure is None and watch.dead() is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
         failure = watch.failure or watch.dead()

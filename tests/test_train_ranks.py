@@ -70,6 +70,22 @@ def _same_checkpoint(got: Path, want: Path) -> None:
     assert got_state["steps_done"] == want_state["steps_done"] and got_state["step"] == want_state["step"]
 
 
+def _batch(single):
+    """(pairs, the single learner's π_old scores of them, datums with π_old a little off the policy)."""
+    tok = single.loaded.tokenizer
+    prompt = np.asarray(tok("Q: add the numbers.", add_special_tokens=False)["input_ids"])
+    pairs = [(prompt, np.asarray(tok(r, add_special_tokens=False)["input_ids"])) for r in RESPONSES]
+    scores = single.score(pairs, temperature=0.8)
+    rng = np.random.default_rng(0)
+    data = []
+    for (p, r), s, adv in zip(pairs, scores, ADVANTAGES):
+        action_T = np.ones(len(r), dtype=np.float32)
+        action_T[-1] = 0.0
+        old_T = s.logprobs_T + rng.normal(0, 0.3, len(r)).astype(np.float32)
+        data.append(Datum(p, r, s.logprobs_T.copy(), action_T, advantage=adv, old_logprobs_T=old_T))
+    return pairs, scores, data
+
+
 @pytest.mark.slow
 def test_two_ranks_score_step_save_and_resume_as_one_process(tmp_path):
     from rollmarket.train.learner import Learner
@@ -77,17 +93,7 @@ def test_two_ranks_score_step_save_and_resume_as_one_process(tmp_path):
 
     single = Learner(resolve(None, ARGS))
     ranked_config = resolve(None, [*ARGS, "trainer.learner_ranks=2"])
-    tok = single.loaded.tokenizer
-    prompt = np.asarray(tok("Q: add the numbers.", add_special_tokens=False)["input_ids"])
-    pairs = [(prompt, np.asarray(tok(r, add_special_tokens=False)["input_ids"])) for r in RESPONSES]
-    want_scores = single.score(pairs, temperature=0.8)
-    rng = np.random.default_rng(0)
-    data = []
-    for (p, r), s, adv in zip(pairs, want_scores, ADVANTAGES):
-        action_T = np.ones(len(r), dtype=np.float32)
-        action_T[-1] = 0.0
-        old_T = s.logprobs_T + rng.normal(0, 0.3, len(r)).astype(np.float32)
-        data.append(Datum(p, r, s.logprobs_T.copy(), action_T, advantage=adv, old_logprobs_T=old_T))
+    pairs, want_scores, data = _batch(single)
     # Three rows in two mini-batches ([2, 1]): rank 1 holds a padding row in the second.
     second = [replace(d, old_logprobs_T=None) for d in data[:3]]
     state = {"step": 2, "seen": 0, "solved": 0, "base_version": 0}
@@ -115,6 +121,32 @@ def test_two_ranks_score_step_save_and_resume_as_one_process(tmp_path):
     single.step(data, 0.8)
     single.save(tmp_path / "one" / "v0003", version=3, extra_state=state)
     _same_checkpoint(tmp_path / "ranks" / "v0003", tmp_path / "one" / "v0003")
+
+
+@pytest.mark.slow
+def test_two_ranks_train_lora_adapters_as_one_process(tmp_path):
+    """LoRA under ranks: the adapters and the merged weights (gathered from sharded A, B) of one step."""
+    from rollmarket.train.learner import Learner
+    from rollmarket.train.ranks import learner_ranks
+
+    args = [*ARGS, "lora.enabled=true", "optim.lr=1e-2"]
+    single = Learner(resolve(None, args))
+    _, _, data = _batch(single)
+    state = {"step": 1, "seen": 0, "solved": 0, "base_version": 0}
+    with learner_ranks(resolve(None, [*args, "trainer.learner_ranks=2"])) as ranked:
+        ranked.step(data, 0.8)
+        ranked.step(data, 0.8)  # LoRA's B starts at 0: the second step moves the merged weights
+        ranked.save(tmp_path / "ranks" / "v0001", version=1, extra_state=state)
+    single.step(data, 0.8)
+    single.step(data, 0.8)
+    single.save(tmp_path / "one" / "v0001", version=1, extra_state=state)
+    adapters = load_file(tmp_path / "one" / "v0001" / "trainer" / "adapters.safetensors")
+    assert any(float(t.abs().max()) > 0 for k, t in adapters.items() if "lora_B" in k)  # the adapters trained
+    _close_tensors(load_file(tmp_path / "ranks" / "v0001" / "trainer" / "adapters.safetensors"), adapters, "adapters")
+    merged = load_file(tmp_path / "one" / "v0001" / "model.safetensors")
+    base = load_file(MODEL / "model.safetensors")
+    assert any(not torch.equal(merged[k], base[k]) for k in merged)  # the merge is in the published weights
+    _close_tensors(load_file(tmp_path / "ranks" / "v0001" / "model.safetensors"), merged, "merged weights")
 
 
 QUICK = [f"model.path={json.dumps(str(MODEL))}", "rollout.suite=arithmetic", "rollout.groups_per_step=2",

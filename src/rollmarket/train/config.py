@@ -502,6 +502,10 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
             load_curriculum(config.rollout.curriculum).select(load_suite(config.rollout.suite, "train"))
         except CurriculumError as exc:
             raise TrainConfigError(f"rollout.curriculum: {exc}", fix=exc.fix) from None
+    if config.trainer.learner_ranks > 1:  # one GPU per rank on CUDA: refused before the run exists
+        from .ranks import rank_backend
+
+        rank_backend(config)
     known = [p.value for p in Precision]
     local_precisions = [spec.precision for spec in config.local.specs]
     for key, names in (("rollout.precisions", config.rollout.precisions),

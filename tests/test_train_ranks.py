@@ -108,9 +108,11 @@ def test_two_ranks_score_step_save_and_resume_as_one_process(tmp_path):
     assert len(got_scores) == len(want_scores)
     for got, want in zip(got_scores, want_scores):
         np.testing.assert_allclose(got.logprobs_T, want.logprobs_T, atol=1e-5)
-    for got, want in zip(ranked_metrics, want_metrics):  # the gradient norm is global, not rank 0's
+    for got, want in zip(ranked_metrics, want_metrics):  # the whole batch's figures, not rank 0's rows'
         assert got["actor/num_minibatches"] == want["actor/num_minibatches"] == 2
-        assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-4)
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert got[key] == (None if value is None else pytest.approx(value, rel=1e-3, abs=1e-5)), key
     _same_checkpoint(tmp_path / "ranks" / "v0002", tmp_path / "one" / "v0002")
 
     # Resume: every rank restores the checkpoint's optimizer state, and the next step is one process's.

@@ -51,8 +51,8 @@ class Learner:
     update is the one a single process would take on all the rows, ``weights()`` gathers the whole
     tensors on every rank, ``score`` is collective (every rank passes the same pairs; rank 0 gets the
     results) and ``save`` gathers the weights and the optimizer state to rank 0, which alone writes
-    the checkpoint, in the single-process layout. Not yet under a mesh: metrics over every rank (each
-    rank's are its own rows'; the gradient norm is global)."""
+    the checkpoint, in the single-process layout. ``step``'s metrics are the whole batch's on every
+    rank (each rank's rows and figures gathered: ``_pooled``)."""
 
     def __init__(self, config: TrainConfig, *, resume_from: Path | None = None, mesh=None):
         self.config = config
@@ -272,6 +272,16 @@ class Learner:
             per_agg.add(divides_by, {"actor/pg_loss": loss_metrics["actor/pg_loss"], "loss": float(loss.detach())})
         self.model.eval()
         self.steps_done += 1
+        figures_old_BT = batch.old_BT if batch.old_BT is not None else batch.behaviour_BT
+        behaviour_BT, corrected_B = batch.behaviour_BT, batch.corrected_B
+        if self.mesh is not None:  # the figures over every rank's rows, as one process takes them
+            keep_B = torch.ones(len(data), dtype=torch.bool)
+            for rows, size in zip(minibatches, sizes):
+                keep_B[rows] = size > 0  # a padding row is no row of the batch
+            (entropies_BT, mask_BT, planning_BT, delta_BT, figures_old_BT, behaviour_BT, corrected_B) = _pooled(
+                [entropies_BT, mask_BT, planning_BT, delta_BT, figures_old_BT, behaviour_BT, corrected_B], keep_B)
+            per_token, per_agg = _pooled_means(per_token), _pooled_means(per_agg)
+            corr = self._correction(delta_BT, mask_BT)
         n_valid = mask_BT.sum()
         metrics: dict[str, float | None] = {
             **corr.metrics, **per_token.means(), **per_agg.means(),
@@ -284,21 +294,22 @@ class Learner:
         metrics.update({
             "rollout_corr/mean_abs_delta": float(delta_BT.abs().sum() / n_valid.clamp(min=1)),
             "rollout_corr/max_abs_delta": float(delta_BT.abs().max()) if delta_BT.numel() else None,
-            "rollout_corr/corrected_fraction": float(batch.corrected_B.float().mean()),
-            **self._mismatch_figures(batch),
+            "rollout_corr/corrected_fraction": float(corrected_B.float().mean()),
+            **self._mismatch_figures(figures_old_BT, behaviour_BT, mask_BT),
             **sepa,
         })
         return metrics
 
-    def _mismatch_figures(self, batch: Batch) -> dict[str, float | None]:
-        """verl's `rollout_corr/*` figures over every datum of the step (logπ_old vs logπ_behaviour),
-        and our token ESS beside them (`rollout_corr/token_ess`). The `rollout_is_*` ones use the
-        correction's C and level, and are None where no IS correction can apply (masked_is, never)."""
+    def _mismatch_figures(self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor,
+                          mask_BT: torch.Tensor) -> dict[str, float | None]:
+        """verl's `rollout_corr/*` figures over every datum of the step (logπ_old, the datums' own
+        or else the behaviour's, vs logπ_behaviour), and our token ESS beside them
+        (`rollout_corr/token_ess`). The `rollout_is_*` ones use the correction's C and level, and are
+        None where no IS correction can apply (masked_is, never)."""
         c = self.config.correction
-        old_BT = batch.old_BT if batch.old_BT is not None else batch.behaviour_BT
-        mask_BT = batch.mask_BT.bool().numpy()
+        mask_BT = mask_BT.bool().numpy()
         trainer_N, lengths_B = flatten_padded(old_BT.double().numpy(), mask_BT)
-        rollout_N, _ = flatten_padded(batch.behaviour_BT.double().numpy(), mask_BT)
+        rollout_N, _ = flatten_padded(behaviour_BT.double().numpy(), mask_BT)
         figures = offpolicy_figures(rollout_N, trainer_N, lengths_B, is_threshold=c.cap,
                                     is_level="sequence" if c.kind == "sequence_tis" else "token").metrics()
         if c.kind == "masked_is" or c.when == "never":
@@ -455,6 +466,36 @@ class _WeightedMeans:
         return {key: None if total <= 0 or any(v is None for v in vs)
                 else sum(w * v for w, v in zip(self.weights, vs)) / total
                 for key, vs in self.values.items()}
+
+
+def _pooled(tensors: list[torch.Tensor | None], keep_B: torch.Tensor) -> list[torch.Tensor | None]:
+    """Every rank's kept rows of each [B] or [B, T] tensor, rank by rank, the token axis padded with 0
+    to the longest rank's (what every use masks out). Collective; the figures that come from them
+    do not depend on the rows' order."""
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, [None if t is None else t[keep_B] for t in tensors])
+    out: list[torch.Tensor | None] = []
+    for parts in zip(*everyone):
+        if parts[0] is None:
+            out.append(None)
+            continue
+        if parts[0].dim() == 2:
+            T = max(p.shape[1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts]
+        out.append(torch.cat(parts))
+    return out
+
+
+def _pooled_means(means: "_WeightedMeans") -> "_WeightedMeans":
+    """Every rank's weighted figures as one: a mini-batch's figure is the weighted mean of its ranks',
+    so pooling every (weight, figure) pair gives the single process's means. Collective."""
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (means.weights, means.values))
+    pooled = _WeightedMeans()
+    for weights, values in everyone:
+        for i, weight in enumerate(weights):
+            pooled.add(weight, {key: figures[i] for key, figures in values.items()})
+    return pooled
 
 
 def _rows(batch: Batch, rows_t) -> Batch:

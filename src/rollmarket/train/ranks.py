@@ -26,6 +26,7 @@ from __future__ import annotations
 import _thread
 import dataclasses
 import os
+import signal
 import sys
 import threading
 import time
@@ -169,6 +170,7 @@ def _watch_parent(parent: int) -> None:
 def _follower(rank: int, ranks: int, port: int, backend: str, device_type: str, config: TrainConfig,
               resume_from: str | None, parent: int) -> None:
     """Ranks 1..N-1: make rank 0's learner calls until it says stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: rank 0 stops the ranks
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     mesh, calls = _init(rank, ranks, port, backend, device_type)
     learner = Learner(config, resume_from=None if resume_from is None else Path(resume_from), mesh=mesh)
@@ -263,7 +265,7 @@ def learner_ranks(config: TrainConfig, *, resume_from: Path | None = None):
     except BaseException as exc:
         watch.handling.set()
         # A collective with a dead rank may fail just before the watch sees the exit.
-        peer_failure = isinstance(exc, (RuntimeError, KeyboardInterrupt)) and not isinstance(exc, TrainingError)
+        peer_failure = isinstance(exc, RuntimeError) and not isinstance(exc, TrainingError)
         deadline = time.monotonic() + (10 if peer_failure else 0)
         while watch.failure is None and watch.dead() is None and time.monotonic() < deadline:
             time.sleep(POLL_S)

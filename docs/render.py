@@ -1326,6 +1326,34 @@ def _():
             + ("\n\nAgainst issue 18's goals: " + "; ".join(verdict) + "." if verdict else ""))
 
 
+LEARNER_RANKS = "benchmarks/results/learner_ranks-cuda.json"
+
+
+@block("learner-ranks-cuda")
+def _():
+    if not (ROOT / LEARNER_RANKS).is_file():
+        return (f"Not measured yet: `{LEARNER_RANKS}` is not committed. Run the command above on a machine with "
+                "two GPUs,\ncommit its JSON and `python docs/render.py` fills this in.")
+    raw = load(LEARNER_RANKS)
+    rows = []
+    for r in raw["results"]:
+        if "error" in r:
+            rows.append([str(r["ranks"]), f"error: {(r['error'].strip().splitlines() or ['?'])[-1][:80]}"] + [""] * 7)
+            continue
+        rows.append([bold(str(r["ranks"]), r["ranks"] == 1), f"{r['open_s']:.1f}", f"{r['score_s']:.3f}",
+                     f"{r['first_step_s']:.3f}", f"{r['step_s']:.3f}", f"{r['save_s']:.2f}",
+                     "–" if "step_rate_vs_1_rank" not in r else times(r["step_rate_vs_1_rank"]),
+                     "–" if "max_abs_weight_diff" not in r else sci(r["max_abs_weight_diff"]),
+                     "–" if "share_within_1e-5" not in r else f"{r['share_within_1e-5']:.4f}"])
+    first = next((r for r in raw["results"] if "error" not in r), None)
+    shape = "" if first is None else (
+        f"Shape `{first['model']}`, float32 master weights, {n(first['tokens'])} tokens a step "
+        f"({first['sequences']} sequences of {first['seq']}), activation checkpointing on.\n\n")
+    return (provenance(LEARNER_RANKS, raw["meta"]) + "\n\n" + shape
+            + table(["ranks", "open s", "score s", "first step s", "step s", "save s", "step rate vs 1 rank",
+                     "max \\|Δw\\| vs 1 rank", "weights within 1e-5"], ["l"] + ["r"] * 8, rows))
+
+
 # ---- issue 14: experiments (a) on tiny-start with its shuffled-reward control, and (c) ---------------
 
 EXP_A2 = "experiments/results/exp-a2"

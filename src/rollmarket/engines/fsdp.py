@@ -164,7 +164,9 @@ class FSDPTrainerEngine:
     name = "rollmarket-teacher-fsdp"
 
     def __init__(self, loaded: LoadedModel, *, mesh=None, chunk: int = 1024,
-                 max_batch_tokens: int = 16384):
+                 max_batch_tokens: int = 16384, sharded: bool = False):
+        """``sharded``: ``loaded.model`` already went through ``shard_model`` over ``mesh`` (the
+        learner's policy, which scores π_old with the weights it trains)."""
         _require_process_group()
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import register_fsdp_forward_method
@@ -177,7 +179,7 @@ class FSDPTrainerEngine:
         self.mesh = mesh
         device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                   else torch.device(mesh.device_type))
-        model = shard_model(loaded.model, mesh)
+        model = loaded.model if sharded else shard_model(loaded.model, mesh)
         self.loaded = dataclasses.replace(loaded, model=model, device=device)
         self.info = self.loaded.info
         self._local = TrainerEngine(self.loaded, chunk=chunk, max_batch_tokens=max_batch_tokens)

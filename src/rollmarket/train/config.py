@@ -181,6 +181,11 @@ class TrainerSection(_Section):
                           "weights a step instead of two; ZeRO-2-like memory: the full weights are resident while a "
                           "step runs). Off: free them after each forward (least memory, more communication). "
                           "docs/benchmarks.md measures both.")
+    learner_ranks: int = Field(
+        1, ge=1, description="Processes the learner trains over (FSDP2, data parallel, weights and optimizer "
+                             "sharded): rank i on cuda:i with NCCL when model.device is CUDA, else gloo on the CPU. "
+                             "Rank 0 runs the loop and writes the run; the others are started by it "
+                             "(docs/training.md, \"Several GPUs\").")
 
 
 class OptimSection(_Section):
@@ -508,6 +513,10 @@ def validate(config: TrainConfig, *, local: bool, token: str | None = None) -> N
                 load_suite(config.rollout.suite, "train"))
         except CurriculumError as exc:
             raise TrainConfigError(f"rollout.curriculum: {exc}", fix=exc.fix) from None
+    if config.trainer.learner_ranks > 1:  # one GPU per rank on CUDA: refused before the run exists
+        from .ranks import rank_backend
+
+        rank_backend(config)
     known = [p.value for p in Precision]
     local_precisions = [spec.precision for spec in config.local.specs]
     for key, names in (("rollout.precisions", config.rollout.precisions),

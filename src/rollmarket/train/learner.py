@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..engines import TrainerEngine
+from ..engines.fsdp import FSDPTrainerEngine
 from ..engines.loading import LoadedModel, load_model
 from ..engines.provenance import checkpoint_digest
 from ..engines.routing import RouterReplay, moe_routers, replay_problem, replayable
@@ -45,14 +46,17 @@ Workers read only the top level (`*.safetensors`, config, tokenizer), so it stay
 class Learner:
     """The policy being trained, on one device or sharded by FSDP2 over ``mesh`` (train/sharded.py).
 
-    With a mesh every rank constructs it, passes its own rows to ``step`` (the same number on every
-    rank) and makes the same calls in the same order; the update is the one a single process would
-    take on all the rows, and ``weights()`` gathers the whole tensors on every rank. Not yet under a
-    mesh: ``score`` (``engines.fsdp.FSDPTrainerEngine`` scores sharded), ``save`` (the optimizer
-    state is sharded), and metrics over every rank (each rank's are its own rows')."""
+    With a mesh every rank constructs it, passes its own rows to ``step`` (with the same mini-batch
+    layout on every rank: train/ranks.py deals them) and makes the same calls in the same order; the
+    update is the one a single process would take on all the rows, ``weights()`` gathers the whole
+    tensors on every rank, ``score`` is collective (every rank passes the same pairs; rank 0 gets the
+    results) and ``save`` gathers the weights and the optimizer state to rank 0, which alone writes
+    the checkpoint, in the single-process layout. ``step``'s metrics are the whole batch's on every
+    rank (each rank's rows and figures gathered: ``_pooled``)."""
 
     def __init__(self, config: TrainConfig, *, resume_from: Path | None = None, mesh=None):
         self.config = config
+        self.mesh = mesh
         torch.manual_seed(config.seed)
         torch.set_num_threads(config.model.threads)
         self.base_path = Path(config.model.path)
@@ -76,9 +80,8 @@ class Learner:
 
             model = apply_lora(model, config.lora)
         self.model = model.eval()
-        self.engine: TrainerEngine | None = None
         if mesh is None:
-            self.engine = TrainerEngine(replace(self.loaded, model=self.model))
+            self.engine: TrainerEngine | FSDPTrainerEngine = TrainerEngine(replace(self.loaded, model=self.model))
         else:
             device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                       else torch.device(mesh.device_type))
@@ -92,6 +95,7 @@ class Learner:
             if self.reference is not None:
                 shard_policy(self.reference, mesh, policy_token_stats)
             self.loaded = replace(self.loaded, device=device)
+            self.engine = FSDPTrainerEngine(replace(self.loaded, model=self.model), mesh=mesh, sharded=True)
         self.chunk = CHUNK
         params = [p for p in self.model.parameters() if p.requires_grad]
         o = config.optim
@@ -115,9 +119,8 @@ class Learner:
     def score(self, pairs: list[tuple[np.ndarray, np.ndarray]], temperature: float,
               replayed_experts: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         """π_old's logprobs, entropies and routed experts of each (prompt, response) pair, routed
-        through ``replayed_experts`` where given (router replay)."""
-        if self.engine is None:
-            raise RuntimeError("a sharded Learner does not score; use engines.fsdp.FSDPTrainerEngine")
+        through ``replayed_experts`` where given (router replay). Sharded: collective, every rank
+        passes the same pairs and rank 0 gets the results (the others an empty list)."""
         self.model.eval()
         return self.engine.score_batch(pairs, temperature=temperature, replayed_experts=replayed_experts)
 
@@ -187,9 +190,14 @@ class Learner:
             return {"sepa_lambda": None, "sepa_gate_open": None}
         return self.sepa.metrics(self.steps_done)
 
-    def step(self, data: list[Datum], temperature: float) -> dict[str, float | None]:
+    def step(self, data: list[Datum], temperature: float, *,
+             minibatches: list[int] | None = None) -> dict[str, float | None]:
         """Optimizer step(s) on `data`, one per mini-batch (``algorithm.updates_per_batch``); the
         metrics describe the whole step (verl names).
+
+        ``minibatches`` (sharded: this rank's share, train/ranks.py ``deal``): the sizes of the
+        consecutive mini-batches `data` holds, instead of splitting it here; a 0 is one padding row
+        (no loss tokens) that only keeps this rank in step with the others' collectives.
 
         IS correction (config.correction) applies to sequences with `corrected` set: weights from
         Δ = logπ_old − logπ_behaviour, the trainer's own logprobs against what the rollout engine
@@ -219,7 +227,10 @@ class Learner:
         batch = collate(data, self.pad_id)
         mask_BT = batch.mask_BT
         planning_BT = self._planning_mask(data, mask_BT.shape)
-        minibatches = np.array_split(np.arange(len(data)), min(a.updates_per_batch, len(data)))
+        sizes = minibatches or [len(rows) for rows in np.array_split(np.arange(len(data)),
+                                                                      min(a.updates_per_batch, len(data)))]
+        ends = np.cumsum([max(1, size) for size in sizes])
+        minibatches = [np.arange(end - max(1, size), end) for size, end in zip(sizes, ends)]
         old_BT = batch.old_BT
         if old_BT is None:  # π_old before any update: every mini-batch's ratio is against the same policy
             with torch.no_grad():
@@ -239,7 +250,7 @@ class Learner:
         entropies_BT = torch.zeros_like(mask_BT)
         per_token, per_agg, grad_norms = _WeightedMeans(), _WeightedMeans(), []
         self.model.train()
-        for rows in minibatches:
+        for rows, size in zip(minibatches, sizes):
             rows_t = torch.from_numpy(rows)
             sub = _rows(batch, rows_t)
             logprobs_BT, entropies_BT[rows_t] = self._token_stats(self.model, sub, temperature)
@@ -252,7 +263,8 @@ class Learner:
                 is_weights_BT=weights_BT[rows_t] if bool(sub.corrected_B.any()) else None,
                 ref_logprobs_BT=None if ref_BT is None else ref_BT[rows_t])
             tokens_B = sub_loss_mask_BT.sum(dim=1)
-            divides_by = {"token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
+            divides_by = 0.0 if size == 0 else {  # a padding row weighs nothing
+                "token-mean": float(tokens_B.sum()), "seq-mean-token-sum-norm": float(len(rows))}.get(
                 a.aggregation, float((tokens_B > 0).sum()))
             self.optimizer.zero_grad(set_to_none=True)
             (loss * global_loss_scale(divides_by, self.loaded.device)).backward()
@@ -266,6 +278,16 @@ class Learner:
             per_agg.add(divides_by, {"actor/pg_loss": loss_metrics["actor/pg_loss"], "loss": float(loss.detach())})
         self.model.eval()
         self.steps_done += 1
+        figures_old_BT = batch.old_BT if batch.old_BT is not None else batch.behaviour_BT
+        behaviour_BT, corrected_B = batch.behaviour_BT, batch.corrected_B
+        if self.mesh is not None:  # the figures over every rank's rows, as one process takes them
+            keep_B = torch.ones(len(data), dtype=torch.bool)
+            for rows, size in zip(minibatches, sizes):
+                keep_B[rows] = size > 0  # a padding row is no row of the batch
+            (entropies_BT, mask_BT, planning_BT, delta_BT, figures_old_BT, behaviour_BT, corrected_B) = _pooled(
+                [entropies_BT, mask_BT, planning_BT, delta_BT, figures_old_BT, behaviour_BT, corrected_B], keep_B)
+            per_token, per_agg = _pooled_means(per_token), _pooled_means(per_agg)
+            corr = self._correction(delta_BT, mask_BT)
         n_valid = mask_BT.sum()
         metrics: dict[str, float | None] = {
             **corr.metrics, **per_token.means(), **per_agg.means(),
@@ -278,21 +300,22 @@ class Learner:
         metrics.update({
             "rollout_corr/mean_abs_delta": float(delta_BT.abs().sum() / n_valid.clamp(min=1)),
             "rollout_corr/max_abs_delta": float(delta_BT.abs().max()) if delta_BT.numel() else None,
-            "rollout_corr/corrected_fraction": float(batch.corrected_B.float().mean()),
-            **self._mismatch_figures(batch),
+            "rollout_corr/corrected_fraction": float(corrected_B.float().mean()),
+            **self._mismatch_figures(figures_old_BT, behaviour_BT, mask_BT),
             **sepa,
         })
         return metrics
 
-    def _mismatch_figures(self, batch: Batch) -> dict[str, float | None]:
-        """verl's `rollout_corr/*` figures over every datum of the step (logπ_old vs logπ_behaviour),
-        and our token ESS beside them (`rollout_corr/token_ess`). The `rollout_is_*` ones use the
-        correction's C and level, and are None where no IS correction can apply (masked_is, never)."""
+    def _mismatch_figures(self, old_BT: torch.Tensor, behaviour_BT: torch.Tensor,
+                          mask_BT: torch.Tensor) -> dict[str, float | None]:
+        """verl's `rollout_corr/*` figures over every datum of the step (logπ_old, the datums' own
+        or else the behaviour's, vs logπ_behaviour), and our token ESS beside them
+        (`rollout_corr/token_ess`). The `rollout_is_*` ones use the correction's C and level, and are
+        None where no IS correction can apply (masked_is, never)."""
         c = self.config.correction
-        old_BT = batch.old_BT if batch.old_BT is not None else batch.behaviour_BT
-        mask_BT = batch.mask_BT.bool().numpy()
+        mask_BT = mask_BT.bool().numpy()
         trainer_N, lengths_B = flatten_padded(old_BT.double().numpy(), mask_BT)
-        rollout_N, _ = flatten_padded(batch.behaviour_BT.double().numpy(), mask_BT)
+        rollout_N, _ = flatten_padded(behaviour_BT.double().numpy(), mask_BT)
         figures = offpolicy_figures(rollout_N, trainer_N, lengths_B, is_threshold=c.cap,
                                     is_level="sequence" if c.kind == "sequence_tis" else "token").metrics()
         if c.kind == "masked_is" or c.when == "never":
@@ -310,6 +333,36 @@ class Learner:
         # experts fused in memory and splits them on save), tied weights once, as save_pretrained does.
         return merged_state_dict(self.model)
 
+    @property
+    def rank(self) -> int:
+        """This process's rank in the mesh (0 in one process)."""
+        return torch.distributed.get_rank() if self.mesh is not None else 0
+
+    def _trainable_names(self) -> list[str]:
+        """The optimizer's parameters by name, in its order (the indices of its state dict)."""
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+    def optimizer_state(self) -> dict:
+        """The optimizer's state dict as one process has it (parameters by index); sharded, gathered
+        whole to rank 0 (collective; the other ranks get {}), so a checkpoint's optimizer.pt is the
+        same file whatever the number of ranks that wrote or read it."""
+        if self.mesh is None:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(self.model, self.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return {}
+        index = {name: i for i, name in enumerate(self._trainable_names())}
+        return {"state": {index[name]: value for name, value in full["state"].items()},
+                "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in full["param_groups"]]}
+
+    def evaluation_policy(self, weights: Path) -> "Learner":
+        """What held-out evaluation serves (``.loaded``, ``.model``) for the checkpoint at `weights`,
+        which holds this learner's current weights: the learner itself (train/ranks.py loads a copy)."""
+        return self
+
     def save(self, target: Path, *, version: int, extra_state: dict, save_optimizer: bool = True,
              extra_files: dict[str, str] | None = None) -> str:
         """Write a checkpoint directory workers can load, atomically: a partial directory, every file
@@ -323,22 +376,28 @@ class Learner:
 
         from ..runs import fsync_dir
 
+        # Sharded, every rank gathers (collective) and rank 0 alone writes.
+        weights = self.weights()
+        optimizer = self.optimizer_state() if save_optimizer else None
+        adapters = ({k: full_value(v.detach()).cpu().contiguous() for k, v in self.model.named_parameters()
+                     if v.requires_grad} if self.config.lora.enabled else None)
+        if self.rank != 0:
+            return ""
         partial = target.with_name(f".{target.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         for item in self.base_path.iterdir():  # config, tokenizer, chat template, generation config
             if item.is_file() and item.suffix not in (".safetensors", ".bin") and item.name != "README.md":
                 shutil.copy2(item, partial / item.name)
-        save_file(self.weights(), str(partial / "model.safetensors"),
+        save_file(weights, str(partial / "model.safetensors"),
                   metadata={"format": "pt", "policy_version": str(version)})
         failpoints.reach(Failpoint.in_checkpoint_write)
         state_dir = partial / TRAINER_STATE
         state_dir.mkdir()
-        if save_optimizer:
-            torch.save(self.optimizer.state_dict(), state_dir / "optimizer.pt")
-        if self.config.lora.enabled:
-            trainable = {k: v.detach().cpu().contiguous() for k, v in self.model.named_parameters() if v.requires_grad}
-            save_file(trainable, str(state_dir / "adapters.safetensors"))
+        if optimizer is not None:
+            torch.save(optimizer, state_dir / "optimizer.pt")
+        if adapters is not None:
+            save_file(adapters, str(state_dir / "adapters.safetensors"))
         for name, text in (extra_files or {}).items():
             (state_dir / name).write_text(text)
         state = {**extra_state, "version": version, "steps_done": self.steps_done,
@@ -369,11 +428,25 @@ class Learner:
                 raise ValueError(f"{checkpoint}: adapter weights {sorted(missing)[:3]} do not fit this model")
             self.model.load_state_dict(adapters, strict=False)
         if (state_dir / "optimizer.pt").exists():
-            self.optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", weights_only=True))
+            saved = torch.load(state_dir / "optimizer.pt", weights_only=True)
+            if self.mesh is None:
+                self.optimizer.load_state_dict(saved)
+            else:  # every rank reads the whole state and keeps its shard of it
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(self.model, self.optimizer, _by_name(saved, self._trainable_names()),
+                                         options=StateDictOptions(full_state_dict=True))
         state = json.loads((state_dir / "state.json").read_text())
         self.steps_done = int(state["steps_done"])
         self.sepa.gate_open = bool(state.get("sepa_gate_open", self.sepa.gate_open))
         torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """An optimizer state dict by parameter index (``optimizer.pt``) keyed by parameter name, as
+    torch.distributed.checkpoint's full state dicts are."""
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
 
 
 def read_state(checkpoint: Path) -> dict:
@@ -399,6 +472,36 @@ class _WeightedMeans:
         return {key: None if total <= 0 or any(v is None for v in vs)
                 else sum(w * v for w, v in zip(self.weights, vs)) / total
                 for key, vs in self.values.items()}
+
+
+def _pooled(tensors: list[torch.Tensor | None], keep_B: torch.Tensor) -> list[torch.Tensor | None]:
+    """Every rank's kept rows of each [B] or [B, T] tensor, rank by rank, the token axis padded with 0
+    to the longest rank's (what every use masks out). Collective; the figures that come from them
+    do not depend on the rows' order."""
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, [None if t is None else t[keep_B] for t in tensors])
+    out: list[torch.Tensor | None] = []
+    for parts in zip(*everyone):
+        if parts[0] is None:
+            out.append(None)
+            continue
+        if parts[0].dim() == 2:
+            T = max(p.shape[1] for p in parts)
+            parts = [torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts]
+        out.append(torch.cat(parts))
+    return out
+
+
+def _pooled_means(means: "_WeightedMeans") -> "_WeightedMeans":
+    """Every rank's weighted figures as one: a mini-batch's figure is the weighted mean of its ranks',
+    so pooling every (weight, figure) pair gives the single process's means. Collective."""
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, (means.weights, means.values))
+    pooled = _WeightedMeans()
+    for weights, values in everyone:
+        for i, weight in enumerate(weights):
+            pooled.add(weight, {key: figures[i] for key, figures in values.items()})
+    return pooled
 
 
 def _rows(batch: Batch, rows_t) -> Batch:

@@ -511,7 +511,7 @@ class Trainer:
         if self.eval_tasks and ((cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.loop.steps):
             t1 = time.perf_counter()
             self.on_event("eval", {"step": step})
-            self.history["last"] = self._evaluate(step)
+            self.history["last"] = self._evaluate(step, checkpoint)
             row.update(self.history["last"])
             row["timing_s/eval"] = time.perf_counter() - t1
         # The step's time is its work before the checkpoint (saved in the row) plus this tail.
@@ -524,7 +524,8 @@ class Trainer:
     # -- the run ------------------------------------------------------------------------------------
 
     def run(self) -> Path:
-        from .learner import Learner, read_state
+        from .learner import read_state
+        from .ranks import learner_ranks
 
         cfg = self.config
         validate(cfg, local=self.local, token=self.token)  # before the run directory exists
@@ -548,7 +549,7 @@ class Trainer:
             self.on_event("setup", {"run_dir": str(run_dir), "local": self.local})
             self.client = self._client(stack, run_dir)
             self.trackers = self._trackers(stack, run_dir)
-            self.learner = Learner(cfg, resume_from=checkpoint)
+            self.learner = stack.enter_context(learner_ranks(cfg, resume_from=checkpoint))
             if checkpoint is None:
                 version, step0, seen, solved = self._start(resumed, evaluated=written), 1, 0, 0
             else:
@@ -627,18 +628,19 @@ class Trainer:
         if self.eval_tasks and not evaluated:
             self.on_event("eval", {"step": 0})
             t0 = time.perf_counter()
-            self.history["before"] = self._evaluate(0)
+            self.history["before"] = self._evaluate(0, Path(cfg.model.path))
             self.on_event("evaluated", {"step": 0, "seconds": time.perf_counter() - t0})
             self._write({"step": 0, "policy_version": self.base_version, **self.history["before"]}, [])
         return self.base_version
 
-    def _evaluate(self, step: int) -> dict:
-        """Held-out evaluation of the current weights: its eval/* metrics; one evals.jsonl row per task."""
+    def _evaluate(self, step: int, weights: Path) -> dict:
+        """Held-out evaluation of the current weights (those `weights` holds): its eval/* metrics; one
+        evals.jsonl row per task."""
         from .evaluate import evaluate_policy
 
         e = self.config.eval
         metrics, per_task = evaluate_policy(
-            self.learner, self.eval_tasks, samples=e.samples, temperature=e.temperature,
+            self.learner.evaluation_policy(weights), self.eval_tasks, samples=e.samples, temperature=e.temperature,
             max_tokens=self.config.rollout.max_tokens, max_turns=e.max_turns, seed=self.config.rollout.sampling)
         _append_jsonl(self.run_dir / "evals.jsonl", [{"step": step, **row} for row in per_task])  # paired statistics
         return metrics

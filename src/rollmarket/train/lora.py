@@ -205,7 +205,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 raise KeyError(f"no base weight {key} for the LoRA layer {name}")
             weight = state[key]
             for adapter in pending:
-                weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+                weight = weight + full_value(layer.get_delta_weight(adapter)).to(weight.dtype)
             state[key] = weight
 
     state = _revert_to_checkpoint_format(base, state)

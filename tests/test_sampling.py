@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollmarket.engines.sampling import RowBatch, SamplingParams, gumbel_noise, processed_logits, sequence_key
+from rollmarket.engines.sampling import RowBatch, SamplingParams, inverse_cdf, processed_logits, row_uniforms, sequence_key
 
 MIXED = [
     SamplingParams(temperature=0.7, top_k=5, top_logprobs=3),
@@ -95,7 +95,7 @@ def test_draws_follow_the_processed_distribution(params):
 
 
 def test_a_sequence_draws_the_same_whatever_its_batch_and_step_neighbours():
-    """The noise is a function of (key, own step, token id): a row alone at its step 3 and the
+    """The uniform is a function of (key, own step): a row alone at its step 3 and the
     same row in a batch of strangers at other steps draw the same token."""
     vocab = 151_936 // 64
     logits_BV = _logits(6, vocab, seed=9)
@@ -109,26 +109,34 @@ def test_a_sequence_draws_the_same_whatever_its_batch_and_step_neighbours():
     assert [reordered.token_id(5 - b) for b in range(6)] == [together.token_id(b) for b in range(6)]
 
 
-def test_noise_is_uniform_and_uncorrelated_across_keys_steps_and_tokens():
-    """The hash's uniforms: mean 1/2, variance 1/12, no correlation between neighbouring keys,
-    steps or token ids (|r| < 0.01 over 2^17 pairs: 3.6 standard errors)."""
-    vocab = 4096
-    keys = torch.tensor([sequence_key(1, i) for i in range(32)])
-    g = gumbel_noise(keys, torch.zeros(32, dtype=torch.int64), vocab).double()
-    u = torch.exp(-torch.exp(-g))  # back to the uniforms
-    assert abs(float(u.mean()) - 0.5) < 0.003
-    assert abs(float(u.var()) - 1 / 12) < 0.002
-    nxt = torch.exp(-torch.exp(-gumbel_noise(keys, torch.ones(32, dtype=torch.int64), vocab).double()))
+def test_uniforms_are_uniform_and_uncorrelated_across_keys_and_steps():
+    """The hash's uniforms: mean 1/2, variance 1/12, strictly inside (0, 1), no correlation
+    between neighbouring keys or steps (|r| < 0.01 over 2^17 pairs: 3.6 standard errors)."""
+    keys = [sequence_key(1, i) for i in range(512)]
+    u = np.stack([row_uniforms(keys, [step] * len(keys)) for step in range(257)])  # [step, key]
+    assert u.dtype == np.float64 and 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.003
+    assert abs(u.var() - 1 / 12) < 0.002
 
     def corr(a, b):
-        return float(torch.corrcoef(torch.stack([a.ravel(), b.ravel()]))[0, 1])
+        return float(np.corrcoef(a.ravel(), b.ravel())[0, 1])
 
-    assert abs(corr(u[:-1], u[1:])) < 0.01  # key i against key i+1
-    assert abs(corr(u, nxt)) < 0.01  # step 0 against step 1
-    assert abs(corr(u[:, :-1], u[:, 1:])) < 0.01  # token v against token v+1
+    assert abs(corr(u[:, :-1], u[:, 1:])) < 0.01  # key i against key i+1
+    assert abs(corr(u[:-1], u[1:])) < 0.01  # step t against step t+1
+    # A row's number is its own: the same (key, step) anywhere in any batch.
+    assert row_uniforms(keys[8:9], [40])[0] == row_uniforms(keys[:9], list(range(32, 41)))[8]
     seeded = sequence_key(3, 0)
     assert seeded == sequence_key(3, 0) and seeded != sequence_key(3, 1)
     assert sequence_key(None, 0) != sequence_key(None, 0)
+
+
+def test_inverse_cdf_picks_the_bucket_of_each_uniform():
+    """Probabilities (0.1, 0, 0.3, 0.6): uniforms in [0, .1) pick 0, [.1, .4) pick 2 (never the
+    empty bucket 1), [.4, 1) pick 3; a -inf entry at the end is never picked either."""
+    logprobs_V = torch.tensor([0.1, 0.0, 0.3, 0.6, 0.0]).log()
+    u_B = torch.tensor([0.0, 0.05, 0.0999, 0.1001, 0.39, 0.41, 0.999999], dtype=torch.float64)
+    tokens = inverse_cdf(logprobs_V.expand(len(u_B), -1), u_B).tolist()
+    assert tokens == [0, 0, 0, 2, 2, 3, 3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: runs where a GPU exists")

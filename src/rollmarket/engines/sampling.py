@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 
@@ -77,30 +78,41 @@ def processed_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Te
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values below
-    2^32; the multipliers stay below 2^31 so no product overflows int64."""
-    x = x ^ (x >> 16)  # the one copy: the rest works in place (each op is a pass over [B, V])
-    x.mul_(0x7FEB352D).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 15)
-    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
-    return x.bitwise_xor_(x >> 16)
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on uint64 arrays holding values below 2^32."""
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(_M32)
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(_M32)
+    return x ^ (x >> np.uint64(16))
 
 
-def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, vocab], float32, a pure function of (key, step, token id).
+def row_uniforms(keys: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """One uniform in [0, 1) per row, float64, a pure function of (key, step).
 
-    Counter-based, so no generator state is carried per sequence: a sequence's noise at its
-    step t is the same in any batch, on any device. argmax(logprobs + noise) is an exact draw
-    from softmax(logprobs) (the Gumbel-max trick), with 23-bit uniforms: (m + 0.5) / 2^23 is
-    exact in float32 and below 1, so neither logarithm meets 0.
+    Counter-based, so no generator state is carried per sequence: a sequence's number at its
+    step t is the same in any batch, on any device. 53 bits from two hash chains: (m + 0.5) / 2^53
+    is exact in float64 and strictly inside (0, 1). Computed on the host (a few dozen numpy
+    operations on B values) so a decode step launches no kernels for its randomness.
     """
-    device = keys_B.device
-    row_B = _mix32((keys_B & _M32) ^ _mix32((keys_B >> 32) ^ _mix32(steps_B & _M32)))
-    ids_V = _mix32(torch.arange(vocab, device=device, dtype=torch.int64) ^ 0x5BD1E995)
-    bits_BV = _mix32(row_B[:, None] ^ ids_V[None, :]).bitwise_right_shift_(9)
-    uniform_BV = bits_BV.float().add_(0.5).mul_(1.0 / (1 << 23))
-    return uniform_BV.log_().neg_().log_().neg_()
+    m32 = np.uint64(_M32)
+    keys_B = np.asarray(keys, dtype=np.uint64)
+    steps_B = np.asarray(steps, dtype=np.uint64)
+    high_B = _mix32((keys_B & m32) ^ _mix32((keys_B >> np.uint64(32)) ^ _mix32(steps_B & m32)))
+    low_B = _mix32(high_B ^ np.uint64(0x5BD1E995))
+    bits_B = (high_B << np.uint64(21)) | (low_B >> np.uint64(11))
+    return (bits_B.astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def inverse_cdf(logprobs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
+    """The token each row's uniform selects: the first id whose cumulative probability (in
+    vocabulary order, float64) exceeds ``u`` times the row's total. An exact draw from
+    softmax(logprobs) up to float64 rounding; -inf entries add nothing to the sum, so they are
+    never selected. Two passes over [B, V] (exp, cumsum) and a binary search per row."""
+    cdf_BV = torch.cumsum(logprobs_BV.exp(), dim=-1, dtype=torch.float64)
+    target_B1 = uniforms_B[:, None] * cdf_BV[:, -1:]
+    token_B = torch.searchsorted(cdf_BV, target_B1, right=True)[:, 0]
+    return token_B.clamp_(max=logprobs_BV.shape[-1] - 1)
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,8 @@ class RowBatch:
     """
 
     params: tuple[SamplingParams, ...]
-    keys_B: torch.Tensor
+    keys: tuple[int, ...]
+    """Each row's sequence key (``sequence_key``), on the host: the uniforms are drawn there."""
     temperature_B: torch.Tensor
     """1 where the row is greedy, so the division is harmless; ``greedy_B`` picks argmax there."""
     top_k_B: torch.Tensor
@@ -142,7 +155,7 @@ class RowBatch:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
-            params=tuple(params), keys_B=tensor(list(keys), torch.int64),
+            params=tuple(params), keys=tuple(keys),
             temperature_B=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                  torch.float32),
             top_k_B=tensor(top_k, torch.int64), top_p_B=tensor([p.top_p for p in params], torch.float32),
@@ -177,8 +190,8 @@ class RowBatch:
             token_B, report_BV = torch.argmax(logits_BV, dim=-1), torch.log_softmax(logits_BV, dim=-1)
         else:
             processed_BV = torch.log_softmax(self.processed(logits_BV), dim=-1)
-            steps_B = torch.tensor(list(steps), dtype=torch.int64).to(logits_BV.device, non_blocking=True)
-            token_B = torch.argmax(processed_BV + gumbel_noise(self.keys_B, steps_B, logits_BV.shape[-1]), dim=-1)
+            uniforms_B = torch.from_numpy(row_uniforms(self.keys, steps)).to(logits_BV.device, non_blocking=True)
+            token_B = inverse_cdf(processed_BV, uniforms_B)
             if self.any_greedy:
                 token_B = torch.where(self.greedy_B, torch.argmax(logits_BV, dim=-1), token_B)
             # Each [B, V] pass costs at a 152k vocabulary: the raw distribution only where a row reports it.

@@ -130,13 +130,25 @@ def test_uniforms_are_uniform_and_uncorrelated_across_keys_and_steps():
     assert sequence_key(None, 0) != sequence_key(None, 0)
 
 
-def test_inverse_cdf_picks_the_bucket_of_each_uniform():
-    """Probabilities (0.1, 0, 0.3, 0.6): uniforms in [0, .1) pick 0, [.1, .4) pick 2 (never the
-    empty bucket 1), [.4, 1) pick 3; a -inf entry at the end is never picked either."""
-    logprobs_V = torch.tensor([0.1, 0.0, 0.3, 0.6, 0.0]).log()
-    u_B = torch.tensor([0.0, 0.05, 0.0999, 0.1001, 0.39, 0.41, 0.999999], dtype=torch.float64)
-    tokens = inverse_cdf(logprobs_V.expand(len(u_B), -1), u_B).tolist()
-    assert tokens == [0, 0, 0, 2, 2, 3, 3]
+@pytest.mark.parametrize("vocab,mass", [
+    (5, {0: 0.1, 2: 0.3, 3: 0.6}),  # one (short) block; entries 1 and 4 weigh nothing
+    (1300, {3: 0.2, 511: 0.05, 512: 0.25, 1299: 0.5}),  # two full blocks and a tail, block edges
+])
+def test_inverse_cdf_picks_the_bucket_of_each_uniform(vocab, mass):
+    """Uniforms just inside each bucket of the cumulative mass pick that bucket's token (never a
+    -inf entry), and the second value is the logsumexp of the (unnormalised) logits."""
+    z_V = torch.full((vocab,), float("-inf"))
+    for token, p in mass.items():
+        z_V[token] = math.log(p) + 2.5  # unnormalised: inverse_cdf must not assume a sum of 1
+    uniforms, expected, edge = [], [], 0.0
+    for token, p in sorted(mass.items()):
+        for u in (edge + 1e-6, edge + p / 2, edge + p - 1e-6):
+            uniforms.append(u)
+            expected.append(token)
+        edge += p
+    tokens_B, lse_B = inverse_cdf(z_V.expand(len(uniforms), -1).contiguous(), torch.tensor(uniforms, dtype=torch.float64))
+    assert tokens_B.tolist() == expected
+    torch.testing.assert_close(lse_B, torch.full_like(lse_B, 2.5))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: runs where a GPU exists")

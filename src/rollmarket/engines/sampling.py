@@ -104,15 +104,41 @@ def row_uniforms(keys: Sequence[int], steps: Sequence[int]) -> np.ndarray:
     return (bits_B.astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
 
-def inverse_cdf(logprobs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
-    """The token each row's uniform selects: the first id whose cumulative probability (in
-    vocabulary order, float64) exceeds ``u`` times the row's total. An exact draw from
-    softmax(logprobs) up to float64 rounding; -inf entries add nothing to the sum, so they are
-    never selected. Two passes over [B, V] (exp, cumsum) and a binary search per row."""
-    cdf_BV = torch.cumsum(logprobs_BV.exp(), dim=-1, dtype=torch.float64)
-    target_B1 = uniforms_B[:, None] * cdf_BV[:, -1:]
-    token_B = torch.searchsorted(cdf_BV, target_B1, right=True)[:, 0]
-    return token_B.clamp_(max=logprobs_BV.shape[-1] - 1)
+_BLOCK = 512
+"""Vocabulary entries per block of the two-level search (``inverse_cdf``)."""
+
+
+def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw from softmax(z) per row with its uniform; returns (token_B, logsumexp_B of z).
+
+    The token is the first id (vocabulary order) whose cumulative probability exceeds ``u``.
+    Two levels keep it to about three passes over [B, V] (max, exp, block sums) with float64
+    where sums get long: the block whose cumulative mass (float64 over float32 block sums)
+    passes ``u`` is found first, then ``u``'s place inside that block, rescaled to the block's
+    own float64 cumulative sums so the two levels cannot disagree. -inf entries weigh nothing,
+    so they are never drawn.
+    """
+    rows, vocab = z_BV.shape
+    max_B1 = z_BV.amax(-1, keepdim=True)
+    p_BV = (z_BV - max_B1).exp_()  # unnormalised; exp(-inf) = 0
+    full = vocab // _BLOCK
+    sums = [p_BV[:, :full * _BLOCK].view(rows, full, _BLOCK).sum(-1)] if full else []
+    if vocab % _BLOCK:
+        sums.append(p_BV[:, full * _BLOCK:].sum(-1, keepdim=True))
+    block_cdf_BN = torch.cat(sums, 1).double().cumsum(-1)
+    total_B1 = block_cdf_BN[:, -1:]
+    target_B1 = uniforms_B[:, None] * total_B1
+    block_B1 = torch.searchsorted(block_cdf_BN, target_B1, right=True).clamp_(max=block_cdf_BN.shape[1] - 1)
+    before_B1 = torch.where(block_B1 > 0, block_cdf_BN.gather(1, (block_B1 - 1).clamp(min=0)), 0.0)
+    within_B1 = ((target_B1 - before_B1) / (block_cdf_BN.gather(1, block_B1) - before_B1)).clamp_(0.0, 1.0)
+    ids_BK = block_B1 * _BLOCK + torch.arange(_BLOCK, device=z_BV.device)
+    inside_BK = ids_BK < vocab
+    cdf_BK = p_BV.gather(1, ids_BK.clamp(max=vocab - 1)).masked_fill_(~inside_BK, 0.0).double().cumsum(-1)
+    offset_B1 = torch.searchsorted(cdf_BK, within_B1 * cdf_BK[:, -1:], right=True)
+    # Never past the block's last entry of positive mass (float64 rounding at u ~ 1).
+    offset_B1 = torch.minimum(offset_B1, (cdf_BK < cdf_BK[:, -1:]).sum(-1, keepdim=True))
+    token_B = (block_B1 * _BLOCK + offset_B1)[:, 0]
+    return token_B, (max_B1 + total_B1.float().log())[:, 0]
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,8 @@ class RowBatch:
     processed_B: torch.Tensor
     """Report the processed distribution's logprobs (else the raw ones)."""
     any_top_p: bool
+    any_temperature: bool
+    """Some sampled row's temperature is not 1."""
     all_greedy: bool
     any_greedy: bool
     all_processed: bool
@@ -162,12 +190,14 @@ class RowBatch:
             greedy_B=tensor(greedy, torch.bool),
             processed_B=tensor(processed, torch.bool),
             k_max=max((k for k in top_k if k < vocab), default=0), any_top_p=any(p.top_p < 1 for p in params),
+            any_temperature=any(p.temperature not in (0, 1) for p in params),
             all_greedy=all(greedy), any_greedy=any(greedy), all_processed=all(processed),
             none_processed=not any(processed), max_top=max((p.top_logprobs for p in params), default=0))
 
     def processed(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """``processed_logits`` for every row at once (masked entries -inf)."""
-        z_BV = logits_BV / self.temperature_B[:, None]
+        # Every row at temperature 1 (or greedy) is the common case: no pass over [B, V] then.
+        z_BV = logits_BV / self.temperature_B[:, None] if self.any_temperature else logits_BV
         if self.k_max:
             top_BK = torch.topk(z_BV, self.k_max, dim=-1).values
             kth_B = top_BK.gather(1, (self.top_k_B.clamp(max=self.k_max) - 1)[:, None])
@@ -187,24 +217,26 @@ class RowBatch:
         """Sample one token per row from float32 logits [B, V]; ``steps[b]`` is how many tokens
         row b has drawn before (its position in its own random stream)."""
         if self.all_greedy:
-            token_B, report_BV = torch.argmax(logits_BV, dim=-1), torch.log_softmax(logits_BV, dim=-1)
+            token_B = torch.argmax(logits_BV, dim=-1)
         else:
-            processed_BV = torch.log_softmax(self.processed(logits_BV), dim=-1)
+            z_BV = self.processed(logits_BV)
             uniforms_B = torch.from_numpy(row_uniforms(self.keys, steps)).to(logits_BV.device, non_blocking=True)
-            token_B = inverse_cdf(processed_BV, uniforms_B)
+            token_B, z_lse_B = inverse_cdf(z_BV, uniforms_B)
             if self.any_greedy:
                 token_B = torch.where(self.greedy_B, torch.argmax(logits_BV, dim=-1), token_B)
-            # Each [B, V] pass costs at a 152k vocabulary: the raw distribution only where a row reports it.
-            if self.all_processed:
-                report_BV = processed_BV
-            else:
-                raw_BV = torch.log_softmax(logits_BV, dim=-1)
-                report_BV = raw_BV if self.none_processed else torch.where(
-                    self.processed_B[:, None], processed_BV, raw_BV)
-        columns = [token_B[:, None].double(), report_BV.gather(1, token_B[:, None]).double()]
+        # The reported distribution as (logits, logsumexp): each [B, V] pass costs at a 152k
+        # vocabulary, so the raw one only where a row reports it, and no log_softmax pass at all.
+        if self.all_processed:
+            report_BV, lse_B = z_BV, z_lse_B
+        elif self.none_processed:
+            report_BV, lse_B = logits_BV, torch.logsumexp(logits_BV, dim=-1)
+        else:
+            report_BV = torch.where(self.processed_B[:, None], z_BV, logits_BV)
+            lse_B = torch.where(self.processed_B, z_lse_B, torch.logsumexp(logits_BV, dim=-1))
+        columns = [token_B[:, None].double(), (report_BV.gather(1, token_B[:, None]) - lse_B[:, None]).double()]
         if self.max_top:
             top_values_BK, top_ids_BK = torch.topk(report_BV, min(self.max_top, report_BV.shape[-1]), dim=-1)
-            columns += [top_ids_BK.double(), top_values_BK.double()]
+            columns += [top_ids_BK.double(), (top_values_BK - lse_B[:, None]).double()]
         # One transfer for the whole step (token ids are exact in float64).
         return Drawn(torch.cat(columns, 1).cpu().tolist(), self)
 

@@ -119,13 +119,7 @@ def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Ten
     so they are never drawn.
     """
     rows, vocab = z_BV.shape
-    max_B1 = z_BV.amax(-1, keepdim=True)
-    p_BV = (z_BV - max_B1).exp_()  # unnormalised; exp(-inf) = 0
-    full = vocab // _BLOCK
-    sums = [p_BV[:, :full * _BLOCK].view(rows, full, _BLOCK).sum(-1)] if full else []
-    if vocab % _BLOCK:
-        sums.append(p_BV[:, full * _BLOCK:].sum(-1, keepdim=True))
-    block_cdf_BN = torch.cat(sums, 1).double().cumsum(-1)
+    p_BV, block_cdf_BN, max_B1 = _block_masses(z_BV)
     total_B1 = block_cdf_BN[:, -1:]
     target_B1 = uniforms_B[:, None] * total_B1
     block_B1 = torch.searchsorted(block_cdf_BN, target_B1, right=True).clamp_(max=block_cdf_BN.shape[1] - 1)
@@ -139,6 +133,26 @@ def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Ten
     offset_B1 = torch.minimum(offset_B1, (cdf_BK < cdf_BK[:, -1:]).sum(-1, keepdim=True))
     token_B = (block_B1 * _BLOCK + offset_B1)[:, 0]
     return token_B, (max_B1 + total_B1.float().log())[:, 0]
+
+
+def _block_masses(z_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """exp(z - max) [B, V], the float64 cumulative sums of its blocks of ``_BLOCK`` [B, blocks],
+    and the max [B, 1]."""
+    rows, vocab = z_BV.shape
+    max_B1 = z_BV.amax(-1, keepdim=True)
+    p_BV = (z_BV - max_B1).exp_()  # unnormalised; exp(-inf) = 0
+    full = vocab // _BLOCK
+    sums = [p_BV[:, :full * _BLOCK].view(rows, full, _BLOCK).sum(-1)] if full else []
+    if vocab % _BLOCK:
+        sums.append(p_BV[:, full * _BLOCK:].sum(-1, keepdim=True))
+    return p_BV, torch.cat(sums, 1).double().cumsum(-1), max_B1
+
+
+def logsumexp(z_BV: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, summed as ``inverse_cdf`` sums (so a row's raw and processed
+    logprobs agree to the bit where the two distributions are the same)."""
+    _, block_cdf_BN, max_B1 = _block_masses(z_BV)
+    return (max_B1 + block_cdf_BN[:, -1:].float().log())[:, 0]
 
 
 @dataclass(frozen=True)
@@ -229,10 +243,10 @@ class RowBatch:
         if self.all_processed:
             report_BV, lse_B = z_BV, z_lse_B
         elif self.none_processed:
-            report_BV, lse_B = logits_BV, torch.logsumexp(logits_BV, dim=-1)
+            report_BV, lse_B = logits_BV, logsumexp(logits_BV)
         else:
             report_BV = torch.where(self.processed_B[:, None], z_BV, logits_BV)
-            lse_B = torch.where(self.processed_B, z_lse_B, torch.logsumexp(logits_BV, dim=-1))
+            lse_B = torch.where(self.processed_B, z_lse_B, logsumexp(logits_BV))
         columns = [token_B[:, None].double(), (report_BV.gather(1, token_B[:, None]) - lse_B[:, None]).double()]
         if self.max_top:
             top_values_BK, top_ids_BK = torch.topk(report_BV, min(self.max_top, report_BV.shape[-1]), dim=-1)

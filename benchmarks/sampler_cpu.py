@@ -109,7 +109,8 @@ def main() -> None:
         table.add_row(row["case"], row["sampler"], f"{row['draw_ms']:.2f}", f"{row['speedup_vs_gumbel']:.2f}x")
     console.print(table)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "device": args.device,
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "device": args.device,
             "device_name": torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine()),
             "threads": args.threads or None, "repeats": args.repeats}
     out.parent.mkdir(parents=True, exist_ok=True)

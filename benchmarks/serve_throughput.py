@@ -5,7 +5,12 @@ concurrent chat requests through the official `openai` client (AsyncOpenAI): eve
 the same prompt, its own seed, ``ignore_eos`` and the same ``max_tokens``, so all sequences are
 equally long and tokens/s = completion tokens / wall time of the burst. The server batches
 continuously (requests join the running batch between decode steps); the "prefills" column says
-how many prefills a burst took (1: it was admitted as one).
+how many prefills a burst took (1: it was admitted as one). Each case is warmed up with one
+burst of the measured length first. The server's own timers (``/v1/engine``: decode steps,
+their wall time, prefill time, requests' wait between submit and prefill) split each HTTP burst:
+"ms per step" is the server's decode step against the engine's burst wall per step, "server
+decode share" how much of the burst's wall the decode thread was busy; the rest is HTTP, the
+client, admission and the hand-over of results.
 
 The same bursts then run on the engine directly (``RolloutEngine.generate``, no HTTP, no
 batcher), with the server stopped, to show what the HTTP layer costs: once with the batched
@@ -108,19 +113,35 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
             client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             stats = httpx.AsyncClient(base_url=url, timeout=60)
             for batch in args.batches:
-                await _burst(client, name, batch, min(8, args.max_tokens))  # warm-up
-                rates, latencies, engine_batches = [], [], []
+                # Warm-up at the measured length: a first burst of new cache sizes paid one-time
+                # costs (on an H200 the first of two measured bursts ran up to 5x slower than the second).
+                await _burst(client, name, batch, args.max_tokens)
+                rates, latencies, engine_batches, inside = [], [], [], []
                 for _ in range(args.repeats):
-                    before = (await stats.get("/v1/engine")).json()["batches"]
+                    before = (await stats.get("/v1/engine")).json()
                     wall, tokens, per_request = await _burst(client, name, batch, args.max_tokens)
-                    engine_batches.append((await stats.get("/v1/engine")).json()["batches"] - before)
+                    after = (await stats.get("/v1/engine")).json()
+                    engine_batches.append(after["batches"] - before["batches"])
                     rates.append(tokens / wall)
                     latencies += per_request
+                    # The server's own account of the burst: its decode thread's steps, prefills
+                    # and the requests' wait between submit and prefill.
+                    delta = {k: after[k] - before[k] for k in ("decode_steps", "decode_seconds",
+                                                               "prefill_seconds", "queue_seconds")}
+                    inside.append({"wall_s": wall, **delta,
+                                   "step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),
+                                   "queue_ms_mean": 1000 * delta["queue_seconds"] / batch})
                 rows.append({"model": name, "path": "http", "batch": batch, "max_tokens": args.max_tokens,
                              "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-                             "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches})
+                             "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches,
+                             "server": inside, "server_step_ms": statistics.median(r["step_ms"] for r in inside),
+                             "decode_share": statistics.median((r["decode_seconds"] + r["prefill_seconds"]) / r["wall_s"]
+                                                               for r in inside),
+                             "queue_ms_mean": statistics.median(r["queue_ms_mean"] for r in inside)})
                 console.print(f"  http   batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s "
-                              f"(prefills per burst: {engine_batches})")
+                              f"(prefills per burst: {engine_batches}; server step "
+                              f"{rows[-1]['server_step_ms']:.2f} ms, decode+prefill {rows[-1]['decode_share']:.0%} of wall, "
+                              f"mean queue wait {rows[-1]['queue_ms_mean']:.1f} ms)")
             await client.close()
             await stats.aclose()
 
@@ -167,7 +188,7 @@ def per_row_draw():
 
     def draw(rows, logits_BV, steps) -> Drawn:
         logits_BV = logits_BV.cpu()
-        keys = rows.keys_B.tolist()
+        keys = list(rows.keys)
         packed = []
         for b, p in enumerate(rows.params):
             raw_V = torch.log_softmax(logits_BV[b], dim=-1)
@@ -230,8 +251,7 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
             for batch in args.batches:
                 params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=s, ignore_eos=True)
                           for s in range(batch)]
-                engine.generate([prompt] * batch, [SamplingParams(max_tokens=min(8, args.max_tokens),
-                                                                  seed=0, ignore_eos=True)] * batch)
+                engine.generate([prompt] * batch, params)  # warm-up at the measured length, as the server's
                 rates = []
                 for _ in range(args.repeats if sampler == "engine" else 1):
                     sync()
@@ -340,7 +360,7 @@ def main() -> None:
     table = Table(title=f"serve-model decode throughput: {args.max_tokens} tokens per request, "
                         f"{args.precision} on {args.device}")
     for column in ("model", "path", "batch", "tokens/s", f"vs batch {args.batches[0]}", "http / engine",
-                   "request p50 s", "prefills per burst"):
+                   "request p50 s", "prefills per burst", "ms per step", "server decode share", "queue wait ms"):
         table.add_column(column, justify="right")
     for row in results:
         base = next(r for r in results if (r["model"], r["path"], r["batch"]) ==
@@ -354,7 +374,12 @@ def main() -> None:
             f"{row['ratio_vs_first_batch']:.2f}x",
             f"{row['http_over_engine']:.2f}" if row["path"] == "http" and engine else "-",
             f"{row['request_p50_s']:.3f}" if row["request_p50_s"] is not None else "-",
-            ",".join(map(str, row["engine_batches"])))
+            ",".join(map(str, row["engine_batches"])),
+            # http: the server's decode thread's own step time; engine: a burst's wall per step.
+            f"{row['server_step_ms']:.2f}" if row["path"] == "http" else
+            f"{1000 * row['batch'] / row['tokens_per_s']:.2f}",
+            f"{row['decode_share']:.0%}" if row["path"] == "http" else "-",
+            f"{row['queue_ms_mean']:.1f}" if row["path"] == "http" else "-")
     console.print(table)
     if splits:
         split_table = Table(title="one decode step: model forward and sampling (ms, synchronised)")

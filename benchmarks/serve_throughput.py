@@ -16,7 +16,8 @@ The same bursts then run on the engine directly (``RolloutEngine.generate``, no 
 batcher), with the server stopped, to show what the HTTP layer costs: once with the batched
 sampler (``engine``) and once with the per-row CPU sampler it replaced (``engine-per-row``,
 the sampler of main before issue 18: logits to the CPU, then log_softmax, top-k/top-p and
-``torch.multinomial`` one row at a time). A decode step is then split into the model forward
+``torch.multinomial`` one row at a time), and once through the server's ``Batcher`` in this
+process (``batcher``: its decode thread and hand-over to an event loop, no HTTP). A decode step is then split into the model forward
 and the sampling (device-synchronised timers around each, ``--split-steps`` steps) for both.
 
 Models are shipped model directories (``--model``) and random-weight Qwen3 shapes from
@@ -296,10 +297,47 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                                "forward_ms": 1000 * spent["forward"] / max(steps - 1, 1),
                                "sample_ms": 1000 * spent["sample"] / steps, "step_ms": step_ms,
                                "sample_share": spent["sample"] / (spent["forward"] + spent["sample"])})
+    rows += bench_batcher(engine, prompt, name, args)
     del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows, splits
+
+
+def bench_batcher(engine, prompt: list[int], name: str, args) -> list[dict]:
+    """The server's decode thread and hand-over without HTTP: bursts submitted straight to a
+    ``Batcher`` (non-streaming, as the HTTP bursts) from an event loop in this process. Between
+    ``engine`` and ``http`` it tells the decode thread's cost from the HTTP layer's and the client's."""
+    from rollmarket.engines import SamplingParams
+    from rollmarket.serve.batcher import DONE, Batcher
+
+    batcher = Batcher(engine, max_seqs=max(args.batches), window_s=args.batch_window_ms / 1000)
+    batcher.start()
+
+    async def burst(batch: int) -> float:
+        started = time.perf_counter()
+        pendings = [batcher.submit(prompt, SamplingParams(max_tokens=args.max_tokens, seed=s, ignore_eos=True), 1,
+                                   stream=False) for s in range(batch)]
+        tokens = 0
+        for pending in pendings:
+            while (item := await pending.events.get()) is not DONE:
+                assert not isinstance(item, Exception), item
+                tokens += len(item)
+        assert tokens == batch * args.max_tokens, tokens
+        return tokens / (time.perf_counter() - started)
+
+    rows = []
+    try:
+        for batch in args.batches:
+            asyncio.run(burst(batch))  # warm-up at the measured length
+            rates = [asyncio.run(burst(batch)) for _ in range(args.repeats)]
+            rows.append({"model": name, "path": "batcher", "batch": batch, "max_tokens": args.max_tokens,
+                         "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+                         "request_p50_s": None, "engine_batches": []})
+            console.print(f"  {'batcher':<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
+    finally:
+        batcher.stop()
+    return rows
 
 
 def _device_name(device: str) -> str:
@@ -359,7 +397,7 @@ def main() -> None:
 
     table = Table(title=f"serve-model decode throughput: {args.max_tokens} tokens per request, "
                         f"{args.precision} on {args.device}")
-    for column in ("model", "path", "batch", "tokens/s", f"vs batch {args.batches[0]}", "http / engine",
+    for column in ("model", "path", "batch", "tokens/s", f"vs batch {args.batches[0]}", "/ engine",
                    "request p50 s", "prefills per burst", "ms per step", "server decode share", "queue wait ms"):
         table.add_column(column, justify="right")
     for row in results:
@@ -368,13 +406,13 @@ def main() -> None:
         engine = next((r for r in results if (r["model"], r["path"], r["batch"]) ==
                        (row["model"], "engine", row["batch"])), None)
         row["ratio_vs_first_batch"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["http_over_engine"] = row["tokens_per_s"] / engine["tokens_per_s"] if engine else None
+        row["over_engine"] = row["tokens_per_s"] / engine["tokens_per_s"] if engine else None
         table.add_row(
             row["model"], row["path"], str(row["batch"]), f"{row['tokens_per_s']:.1f}",
             f"{row['ratio_vs_first_batch']:.2f}x",
-            f"{row['http_over_engine']:.2f}" if row["path"] == "http" and engine else "-",
+            f"{row['over_engine']:.2f}" if row["path"] in ("http", "batcher") and engine else "-",
             f"{row['request_p50_s']:.3f}" if row["request_p50_s"] is not None else "-",
-            ",".join(map(str, row["engine_batches"])),
+            ",".join(map(str, row["engine_batches"])) or "-",
             # http: the server's decode thread's own step time; engine: a burst's wall per step.
             f"{row['server_step_ms']:.2f}" if row["path"] == "http" else
             f"{1000 * row['batch'] / row['tokens_per_s']:.2f}",

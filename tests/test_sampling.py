@@ -49,6 +49,26 @@ def test_batched_masks_equal_processed_logits_row_by_row():
         torch.testing.assert_close(batched_BV[b][finite], expected_V[finite])
 
 
+@pytest.mark.parametrize("scale", [4.0, 0.2])
+def test_top_p_over_a_large_vocabulary_equals_processed_logits(scale):
+    """Vocab 4,096 (the CPU's candidate path): peaked rows (scale 4: the 1,024 largest logits
+    hold top_p) and flat rows (scale 0.2: they do not, a full sort) keep exactly the set of the
+    one-row specification, with top-p rows beside a row without it."""
+    params = [SamplingParams(top_p=0.9), SamplingParams(temperature=0.8, top_p=0.5), SamplingParams(),
+              SamplingParams(top_k=50, top_p=0.7)]
+    logits_BV = _logits(len(params), 4096, seed=7) * scale
+    probs_BV = torch.softmax(logits_BV.double(), -1)
+    covered = torch.topk(probs_BV[0], 1024).values.sum()
+    assert bool(covered > 0.9) == (scale > 1)  # row 0 (top-p 0.9) decides which path runs
+    rows = RowBatch.from_params(params, [sequence_key(0, i) for i in range(len(params))], 4096, "cpu")
+    batched_BV = rows.processed(logits_BV)
+    for b, p in enumerate(params):
+        expected_V = processed_logits(logits_BV[b], p)
+        assert torch.equal(torch.isfinite(batched_BV[b]), torch.isfinite(expected_V)), p
+        finite = torch.isfinite(expected_V)
+        torch.testing.assert_close(batched_BV[b][finite], expected_V[finite])
+
+
 def test_logprobs_and_top_logprobs_are_the_reported_distributions():
     logits_BV = _logits(len(MIXED), 64, seed=3)
     rows = RowBatch.from_params(MIXED, [sequence_key(5, i) for i in range(len(MIXED))], 64, "cpu")

@@ -106,6 +106,8 @@ def row_uniforms(keys: Sequence[int], steps: Sequence[int]) -> np.ndarray:
 
 _BLOCK = 512
 """Vocabulary entries per block of the two-level search (``inverse_cdf``)."""
+_TOP_P_CANDIDATES = 1024
+"""Largest logits ordered for top-p on the CPU before falling back to a full sort (``RowBatch._top_p``)."""
 
 
 def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,8 +117,7 @@ def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Ten
     Two levels keep it to about three passes over [B, V] (max, exp, block sums) with float64
     where sums get long: the block whose cumulative mass (float64 over float32 block sums)
     passes ``u`` is found first, then ``u``'s place inside that block, rescaled to the block's
-    own float64 cumulative sums so the two levels cannot disagree. -inf entries weigh nothing,
-    so they are never drawn.
+    own float64 cumulative sums so the two levels cannot disagree. -inf entries are never drawn.
     """
     rows, vocab = z_BV.shape
     p_BV, block_cdf_BN, max_B1 = _block_masses(z_BV)
@@ -127,7 +128,10 @@ def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Ten
     within_B1 = ((target_B1 - before_B1) / (block_cdf_BN.gather(1, block_B1) - before_B1)).clamp_(0.0, 1.0)
     ids_BK = block_B1 * _BLOCK + torch.arange(_BLOCK, device=z_BV.device)
     inside_BK = ids_BK < vocab
-    cdf_BK = p_BV.gather(1, ids_BK.clamp(max=vocab - 1)).masked_fill_(~inside_BK, 0.0).double().cumsum(-1)
+    ids_BK = ids_BK.clamp(max=vocab - 1)
+    # -inf entries weigh e^-87 in p_BV (see _block_masses): exactly nothing here, where the draw lands.
+    masked_BK = ~inside_BK | torch.isneginf(z_BV.gather(1, ids_BK))
+    cdf_BK = p_BV.gather(1, ids_BK).masked_fill_(masked_BK, 0.0).double().cumsum(-1)
     offset_B1 = torch.searchsorted(cdf_BK, within_B1 * cdf_BK[:, -1:], right=True)
     # Never past the block's last entry of positive mass (float64 rounding at u ~ 1).
     offset_B1 = torch.minimum(offset_B1, (cdf_BK < cdf_BK[:, -1:]).sum(-1, keepdim=True))
@@ -137,10 +141,17 @@ def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Ten
 
 def _block_masses(z_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """exp(z - max) [B, V], the float64 cumulative sums of its blocks of ``_BLOCK`` [B, blocks],
-    and the max [B, 1]."""
+    and the max [B, 1].
+
+    Exponents are clamped at -87 first: exp of -inf and of what underflows to subnormals takes a
+    slow path on the CPU (3x a whole pass). Such entries then weigh e^-87 ≈ 1.6e-38 against the
+    max's 1, at most 2.5e-33 of a row in all: below float64's resolution of any cumulative sum a
+    uniform can reach (≥ 2^-54), so they never decide the block, and ``inverse_cdf`` zeroes -inf
+    entries inside the block it draws from.
+    """
     rows, vocab = z_BV.shape
     max_B1 = z_BV.amax(-1, keepdim=True)
-    p_BV = (z_BV - max_B1).exp_()  # unnormalised; exp(-inf) = 0
+    p_BV = (z_BV - max_B1).clamp_(min=-87.0).exp_()  # unnormalised
     full = vocab // _BLOCK
     sums = [p_BV[:, :full * _BLOCK].view(rows, full, _BLOCK).sum(-1)] if full else []
     if vocab % _BLOCK:
@@ -219,13 +230,31 @@ class RowBatch:
             kth_B = kth_B.masked_fill((self.top_k_B > self.k_max)[:, None], float("-inf"))
             z_BV = z_BV.masked_fill(z_BV < kth_B, float("-inf"))
         if self.any_top_p:
-            sorted_BV, order_BV = torch.sort(z_BV, dim=-1, descending=True)
-            p_BV = sorted_BV.softmax(-1)
-            # As in processed_logits: drop a token once the mass before it reaches top_p.
-            drop_sorted_BV = ((p_BV.cumsum(-1) - p_BV) >= self.top_p_B[:, None]) & (self.top_p_B < 1)[:, None]
-            drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
-            z_BV = z_BV.masked_fill(drop_BV, float("-inf"))
+            z_BV = self._top_p(z_BV)
         return z_BV
+
+    def _top_p(self, z_BV: torch.Tensor) -> torch.Tensor:
+        """Mask what top-p drops: a token once the mass before it (descending order) reaches top_p.
+
+        On the CPU a full sort of a 152k row is most of a step; when the ``_TOP_P_CANDIDATES``
+        largest logits of every top-p row already hold top_p of its mass, every token beyond
+        them is dropped anyway, so only they are ordered (same kept set). Elsewhere, and when
+        they do not, the whole row is sorted (on CUDA always: the check would be a device sync).
+        """
+        applies_B = self.top_p_B < 1
+        vocab = z_BV.shape[-1]
+        if z_BV.device.type == "cpu" and vocab > 2 * _TOP_P_CANDIDATES:
+            top_BK, ids_BK = torch.topk(z_BV, _TOP_P_CANDIDATES, dim=-1)  # sorted, descending
+            p_BK = (top_BK - torch.logsumexp(z_BV, dim=-1, keepdim=True)).exp_()
+            if bool(((p_BK.sum(-1) >= self.top_p_B) | ~applies_B).all()):
+                drop_BK = ((p_BK.cumsum(-1) - p_BK) >= self.top_p_B[:, None]) & applies_B[:, None]
+                keep_BV = torch.zeros_like(z_BV, dtype=torch.bool).scatter_(1, ids_BK, ~drop_BK)
+                return z_BV.masked_fill(~(keep_BV | ~applies_B[:, None]), float("-inf"))
+        sorted_BV, order_BV = torch.sort(z_BV, dim=-1, descending=True)
+        p_BV = sorted_BV.softmax(-1)
+        drop_sorted_BV = ((p_BV.cumsum(-1) - p_BV) >= self.top_p_B[:, None]) & applies_B[:, None]
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
+        return z_BV.masked_fill(drop_BV, float("-inf"))
 
     def draw(self, logits_BV: torch.Tensor, steps: Sequence[int]) -> "Drawn":
         """Sample one token per row from float32 logits [B, V]; ``steps[b]`` is how many tokens

@@ -394,11 +394,14 @@ def _():
             http, engine = rows.get((model, "http", batch)), rows.get((model, "engine", batch))
             if not http or not engine or "server_step_ms" not in http:
                 continue
+            batcher = rows.get((model, "batcher", batch))
             out.append([SERVE_MODELS[model], str(batch), n(http["server_step_ms"], 2),
                         n(1000 * batch / engine["tokens_per_s"], 2), pct(http["decode_share"]),
-                        n(http["queue_ms_mean"], 1), bold(times(http["tokens_per_s"] / engine["tokens_per_s"]), batch == 32)])
+                        n(http["queue_ms_mean"], 1),
+                        times(batcher["tokens_per_s"] / engine["tokens_per_s"]) if batcher else "-",
+                        bold(times(http["tokens_per_s"] / engine["tokens_per_s"]), batch == 32)])
     return table(["model", "batch", "server step ms", "engine ms per step (burst wall)", "server decode + prefill share of wall",
-                  "mean queue wait ms", "HTTP / engine"], list("lrrrrrr"), out)
+                  "mean queue wait ms", "batcher / engine (no HTTP)", "HTTP / engine"], list("lrrrrrrr"), out)
 
 
 # ---- teacher forcing ----------------------------------------------------------------------------

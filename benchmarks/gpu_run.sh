@@ -41,7 +41,8 @@ BENCHMARKS=(
   "teacher_forcing-modes|300|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b --methods engine-compiled,engine-compiled-autotune,engine-compiled-graphs,profile"
   "learner_step|400|benchmarks/learner_step.py --device cuda --world-size 2 --layouts default,root-kept,kept,prefetch,kept-prefetch"
   "learner_ranks|200|benchmarks/learner_ranks.py --device cuda --ranks 2"
-  "serve_throughput|290|benchmarks/serve_throughput.py --device cuda --repeats 2"
+  "serve_throughput|330|benchmarks/serve_throughput.py --device cuda --repeats 2"
+  "sampler_cpu|40|benchmarks/sampler_cpu.py --device cuda"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other
 # three about 3 min each by their authors' estimates): the budget cuts the last steps short and the

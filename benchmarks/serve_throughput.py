@@ -5,13 +5,19 @@ concurrent chat requests through the official `openai` client (AsyncOpenAI): eve
 the same prompt, its own seed, ``ignore_eos`` and the same ``max_tokens``, so all sequences are
 equally long and tokens/s = completion tokens / wall time of the burst. The server batches
 continuously (requests join the running batch between decode steps); the "prefills" column says
-how many prefills a burst took (1: it was admitted as one).
+how many prefills a burst took (1: it was admitted as one). Each case is warmed up with one
+burst of the measured length first. The server's own timers (``/v1/engine``: decode steps,
+their wall time, prefill time, requests' wait between submit and prefill) split each HTTP burst:
+"ms per step" is the server's decode step against the engine's burst wall per step, "server
+decode share" how much of the burst's wall the decode thread was busy; the rest is HTTP, the
+client, admission and the hand-over of results.
 
 The same bursts then run on the engine directly (``RolloutEngine.generate``, no HTTP, no
 batcher), with the server stopped, to show what the HTTP layer costs: once with the batched
 sampler (``engine``) and once with the per-row CPU sampler it replaced (``engine-per-row``,
 the sampler of main before issue 18: logits to the CPU, then log_softmax, top-k/top-p and
-``torch.multinomial`` one row at a time). A decode step is then split into the model forward
+``torch.multinomial`` one row at a time), and once through the server's ``Batcher`` in this
+process (``batcher``: its decode thread and hand-over to an event loop, no HTTP). A decode step is then split into the model forward
 and the sampling (device-synchronised timers around each, ``--split-steps`` steps) for both.
 
 Models are shipped model directories (``--model``) and random-weight Qwen3 shapes from
@@ -108,19 +114,35 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
             client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             stats = httpx.AsyncClient(base_url=url, timeout=60)
             for batch in args.batches:
-                await _burst(client, name, batch, min(8, args.max_tokens))  # warm-up
-                rates, latencies, engine_batches = [], [], []
+                # Warm-up at the measured length: a first burst of new cache sizes paid one-time
+                # costs (on an H200 the first of two measured bursts ran up to 5x slower than the second).
+                await _burst(client, name, batch, args.max_tokens)
+                rates, latencies, engine_batches, inside = [], [], [], []
                 for _ in range(args.repeats):
-                    before = (await stats.get("/v1/engine")).json()["batches"]
+                    before = (await stats.get("/v1/engine")).json()
                     wall, tokens, per_request = await _burst(client, name, batch, args.max_tokens)
-                    engine_batches.append((await stats.get("/v1/engine")).json()["batches"] - before)
+                    after = (await stats.get("/v1/engine")).json()
+                    engine_batches.append(after["batches"] - before["batches"])
                     rates.append(tokens / wall)
                     latencies += per_request
+                    # The server's own account of the burst: its decode thread's steps, prefills
+                    # and the requests' wait between submit and prefill.
+                    delta = {k: after[k] - before[k] for k in ("decode_steps", "decode_seconds",
+                                                               "prefill_seconds", "queue_seconds")}
+                    inside.append({"wall_s": wall, **delta,
+                                   "step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),
+                                   "queue_ms_mean": 1000 * delta["queue_seconds"] / batch})
                 rows.append({"model": name, "path": "http", "batch": batch, "max_tokens": args.max_tokens,
                              "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-                             "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches})
+                             "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches,
+                             "server": inside, "server_step_ms": statistics.median(r["step_ms"] for r in inside),
+                             "decode_share": statistics.median((r["decode_seconds"] + r["prefill_seconds"]) / r["wall_s"]
+                                                               for r in inside),
+                             "queue_ms_mean": statistics.median(r["queue_ms_mean"] for r in inside)})
                 console.print(f"  http   batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s "
-                              f"(prefills per burst: {engine_batches})")
+                              f"(prefills per burst: {engine_batches}; server step "
+                              f"{rows[-1]['server_step_ms']:.2f} ms, decode+prefill {rows[-1]['decode_share']:.0%} of wall, "
+                              f"mean queue wait {rows[-1]['queue_ms_mean']:.1f} ms)")
             await client.close()
             await stats.aclose()
 
@@ -167,7 +189,7 @@ def per_row_draw():
 
     def draw(rows, logits_BV, steps) -> Drawn:
         logits_BV = logits_BV.cpu()
-        keys = rows.keys_B.tolist()
+        keys = list(rows.keys)
         packed = []
         for b, p in enumerate(rows.params):
             raw_V = torch.log_softmax(logits_BV[b], dim=-1)
@@ -230,8 +252,10 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
             for batch in args.batches:
                 params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=s, ignore_eos=True)
                           for s in range(batch)]
-                engine.generate([prompt] * batch, [SamplingParams(max_tokens=min(8, args.max_tokens),
-                                                                  seed=0, ignore_eos=True)] * batch)
+                # Warm-up at the measured length, as the server's (the per-row baseline, measured once
+                # and slow at the Qwen3 shape, warms up briefly: it is not what the ratio compares).
+                engine.generate([prompt] * batch, params if sampler == "engine" else
+                                [SamplingParams(max_tokens=min(8, args.max_tokens), seed=0, ignore_eos=True)] * batch)
                 rates = []
                 for _ in range(args.repeats if sampler == "engine" else 1):
                     sync()
@@ -276,10 +300,47 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                                "forward_ms": 1000 * spent["forward"] / max(steps - 1, 1),
                                "sample_ms": 1000 * spent["sample"] / steps, "step_ms": step_ms,
                                "sample_share": spent["sample"] / (spent["forward"] + spent["sample"])})
+    rows += bench_batcher(engine, prompt, name, args)
     del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows, splits
+
+
+def bench_batcher(engine, prompt: list[int], name: str, args) -> list[dict]:
+    """The server's decode thread and hand-over without HTTP: bursts submitted straight to a
+    ``Batcher`` (non-streaming, as the HTTP bursts) from an event loop in this process. Between
+    ``engine`` and ``http`` it tells the decode thread's cost from the HTTP layer's and the client's."""
+    from rollmarket.engines import SamplingParams
+    from rollmarket.serve.batcher import DONE, Batcher
+
+    batcher = Batcher(engine, max_seqs=max(args.batches), window_s=args.batch_window_ms / 1000)
+    batcher.start()
+
+    async def burst(batch: int) -> float:
+        started = time.perf_counter()
+        pendings = [batcher.submit(prompt, SamplingParams(max_tokens=args.max_tokens, seed=s, ignore_eos=True), 1,
+                                   stream=False) for s in range(batch)]
+        tokens = 0
+        for pending in pendings:
+            while (item := await pending.events.get()) is not DONE:
+                assert not isinstance(item, Exception), item
+                tokens += len(item)
+        assert tokens == batch * args.max_tokens, tokens
+        return tokens / (time.perf_counter() - started)
+
+    rows = []
+    try:
+        for batch in args.batches:
+            asyncio.run(burst(batch))  # warm-up at the measured length
+            rates = [asyncio.run(burst(batch)) for _ in range(args.repeats)]
+            rows.append({"model": name, "path": "batcher", "batch": batch, "max_tokens": args.max_tokens,
+                         "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+                         "request_p50_s": None, "engine_batches": []})
+            console.print(f"  {'batcher':<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
+    finally:
+        batcher.stop()
+    return rows
 
 
 def _device_name(device: str) -> str:
@@ -339,8 +400,8 @@ def main() -> None:
 
     table = Table(title=f"serve-model decode throughput: {args.max_tokens} tokens per request, "
                         f"{args.precision} on {args.device}")
-    for column in ("model", "path", "batch", "tokens/s", f"vs batch {args.batches[0]}", "http / engine",
-                   "request p50 s", "prefills per burst"):
+    for column in ("model", "path", "batch", "tokens/s", f"vs batch {args.batches[0]}", "/ engine",
+                   "request p50 s", "prefills per burst", "ms per step", "server decode share", "queue wait ms"):
         table.add_column(column, justify="right")
     for row in results:
         base = next(r for r in results if (r["model"], r["path"], r["batch"]) ==
@@ -348,13 +409,18 @@ def main() -> None:
         engine = next((r for r in results if (r["model"], r["path"], r["batch"]) ==
                        (row["model"], "engine", row["batch"])), None)
         row["ratio_vs_first_batch"] = row["tokens_per_s"] / base["tokens_per_s"]
-        row["http_over_engine"] = row["tokens_per_s"] / engine["tokens_per_s"] if engine else None
+        row["over_engine"] = row["tokens_per_s"] / engine["tokens_per_s"] if engine else None
         table.add_row(
             row["model"], row["path"], str(row["batch"]), f"{row['tokens_per_s']:.1f}",
             f"{row['ratio_vs_first_batch']:.2f}x",
-            f"{row['http_over_engine']:.2f}" if row["path"] == "http" and engine else "-",
+            f"{row['over_engine']:.2f}" if row["path"] in ("http", "batcher") and engine else "-",
             f"{row['request_p50_s']:.3f}" if row["request_p50_s"] is not None else "-",
-            ",".join(map(str, row["engine_batches"])))
+            ",".join(map(str, row["engine_batches"])) or "-",
+            # http: the server's decode thread's own step time; engine: a burst's wall per step.
+            f"{row['server_step_ms']:.2f}" if row["path"] == "http" else
+            f"{1000 * row['batch'] / row['tokens_per_s']:.2f}",
+            f"{row['decode_share']:.0%}" if row["path"] == "http" else "-",
+            f"{row['queue_ms_mean']:.1f}" if row["path"] == "http" else "-")
     console.print(table)
     if splits:
         split_table = Table(title="one decode step: model forward and sampling (ms, synchronised)")

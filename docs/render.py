@@ -360,6 +360,50 @@ def _():
             f"timed between device synchronisations ({result['split'][0]['steps']} steps):\n\n{steps}")
 
 
+SAMPLER = "benchmarks/results/sampler_cpu.json"
+SAMPLER_CUDA = "benchmarks/results/sampler_cpu-cuda.json"
+
+
+@block("sampler-cpu")
+def _():
+    out = []
+    for path in (SAMPLER, SAMPLER_CUDA):
+        if not (ROOT / path).is_file():
+            out.append(f"`{path}`: not measured yet.")
+            continue
+        result = load(path)
+        rows = [[r["case"], r["sampler"], n(r["draw_ms"], 2), bold(times(r["speedup_vs_gumbel"]), r["sampler"] != "gumbel")]
+                for r in result["results"]]
+        first = result["results"][0]
+        out.append(f"{provenance(path, result['meta'])} One draw of {first['batch']} rows × {n(first['vocab'])} "
+                   f"vocabulary on {result['meta']['device']} (median of {result['meta']['repeats']}):\n\n"
+                   + table(["case", "sampler", "draw ms", "speed-up vs hash noise"], list("llrr"), rows))
+    return "\n\n".join(out)
+
+
+@block("serve-inside")
+def _():
+    rows = _serve(SERVE_CUDA) if (ROOT / SERVE_CUDA).is_file() else {}
+    if not any("server_step_ms" in r for r in rows.values()):  # results from before the server's timers
+        return ("Not measured yet: the server's own timers (`decode_steps`, `decode_seconds`, `prefill_seconds`, "
+                "`queue_seconds` in `/v1/engine`) wait for `python benchmarks/serve_throughput.py --device cuda` "
+                "on the device.")
+    out = []
+    for model in SERVE_MODELS:
+        for batch in load(SERVE_CUDA)["meta"]["batches"]:
+            http, engine = rows.get((model, "http", batch)), rows.get((model, "engine", batch))
+            if not http or not engine or "server_step_ms" not in http:
+                continue
+            batcher = rows.get((model, "batcher", batch))
+            out.append([SERVE_MODELS[model], str(batch), n(http["server_step_ms"], 2),
+                        n(1000 * batch / engine["tokens_per_s"], 2), pct(http["decode_share"]),
+                        n(http["queue_ms_mean"], 1),
+                        times(batcher["tokens_per_s"] / engine["tokens_per_s"]) if batcher else "-",
+                        bold(times(http["tokens_per_s"] / engine["tokens_per_s"]), batch == 32)])
+    return table(["model", "batch", "server step ms", "engine ms per step (burst wall)", "server decode + prefill share of wall",
+                  "mean queue wait ms", "batcher / engine (no HTTP)", "HTTP / engine"], list("lrrrrrrr"), out)
+
+
 # ---- teacher forcing ----------------------------------------------------------------------------
 
 TF = "benchmarks/results/teacher_forcing-cuda.json"

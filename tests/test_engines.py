@@ -27,7 +27,7 @@ from rollmarket.engines import (
     parse_precision,
 )
 from rollmarket.engines.precision import FP8_MAX, fp8_quantize_dequantize
-from rollmarket.engines.sampling import RowBatch, gumbel_noise, processed_logits, sequence_key
+from rollmarket.engines.sampling import RowBatch, processed_logits, row_uniforms, sequence_key
 
 PROFILES = [p.value for p in Precision]
 TEXTS = ("What is 17 * 23?", "hello", "Read the file notes/readme.txt and tell me the port.",
@@ -113,13 +113,12 @@ def test_seeded_sampling_reproducible(engines, precision):
 def test_seeds_give_independent_streams_per_sequence():
     """A sequence's random stream depends on (seed, index in its request) alone."""
     def stream(seed, index):
-        keys = torch.tensor([sequence_key(seed, index)] * 4)
-        return gumbel_noise(keys, torch.arange(4), 8)
+        return row_uniforms([sequence_key(seed, index)] * 4, range(4)).tolist()
 
-    assert torch.equal(stream(7, 0), stream(7, 0))
-    assert not torch.equal(stream(7, 0), stream(8, 0))
-    assert not torch.equal(stream(7, 0), stream(7, 1))
-    assert len({tuple(row.tolist()) for row in stream(7, 0)}) == 4  # and differs step to step
+    assert stream(7, 0) == stream(7, 0)
+    assert stream(7, 0) != stream(8, 0)
+    assert stream(7, 0) != stream(7, 1)
+    assert len(set(stream(7, 0))) == 4  # and differs step to step
 
 
 def test_seeded_sampling_batch_vs_alone_fp32(engines):

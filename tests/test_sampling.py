@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollmarket.engines.sampling import RowBatch, SamplingParams, gumbel_noise, processed_logits, sequence_key
+from rollmarket.engines.sampling import RowBatch, SamplingParams, inverse_cdf, processed_logits, row_uniforms, sequence_key
 
 MIXED = [
     SamplingParams(temperature=0.7, top_k=5, top_logprobs=3),
@@ -43,6 +43,26 @@ def test_batched_masks_equal_processed_logits_row_by_row():
     for b, p in enumerate(params):
         if p.temperature == 0:
             continue  # greedy rows never use the processed distribution
+        expected_V = processed_logits(logits_BV[b], p)
+        assert torch.equal(torch.isfinite(batched_BV[b]), torch.isfinite(expected_V)), p
+        finite = torch.isfinite(expected_V)
+        torch.testing.assert_close(batched_BV[b][finite], expected_V[finite])
+
+
+@pytest.mark.parametrize("scale", [4.0, 0.2])
+def test_top_p_over_a_large_vocabulary_equals_processed_logits(scale):
+    """Vocab 4,096 (the CPU's candidate path): peaked rows (scale 4: the 1,024 largest logits
+    hold top_p) and flat rows (scale 0.2: they do not, a full sort) keep exactly the set of the
+    one-row specification, with top-p rows beside a row without it."""
+    params = [SamplingParams(top_p=0.9), SamplingParams(temperature=0.8, top_p=0.5), SamplingParams(),
+              SamplingParams(top_k=50, top_p=0.7)]
+    logits_BV = _logits(len(params), 4096, seed=7) * scale
+    probs_BV = torch.softmax(logits_BV.double(), -1)
+    covered = torch.topk(probs_BV[0], 1024).values.sum()
+    assert bool(covered > 0.9) == (scale > 1)  # row 0 (top-p 0.9) decides which path runs
+    rows = RowBatch.from_params(params, [sequence_key(0, i) for i in range(len(params))], 4096, "cpu")
+    batched_BV = rows.processed(logits_BV)
+    for b, p in enumerate(params):
         expected_V = processed_logits(logits_BV[b], p)
         assert torch.equal(torch.isfinite(batched_BV[b]), torch.isfinite(expected_V)), p
         finite = torch.isfinite(expected_V)
@@ -95,7 +115,7 @@ def test_draws_follow_the_processed_distribution(params):
 
 
 def test_a_sequence_draws_the_same_whatever_its_batch_and_step_neighbours():
-    """The noise is a function of (key, own step, token id): a row alone at its step 3 and the
+    """The uniform is a function of (key, own step): a row alone at its step 3 and the
     same row in a batch of strangers at other steps draw the same token."""
     vocab = 151_936 // 64
     logits_BV = _logits(6, vocab, seed=9)
@@ -109,26 +129,46 @@ def test_a_sequence_draws_the_same_whatever_its_batch_and_step_neighbours():
     assert [reordered.token_id(5 - b) for b in range(6)] == [together.token_id(b) for b in range(6)]
 
 
-def test_noise_is_uniform_and_uncorrelated_across_keys_steps_and_tokens():
-    """The hash's uniforms: mean 1/2, variance 1/12, no correlation between neighbouring keys,
-    steps or token ids (|r| < 0.01 over 2^17 pairs: 3.6 standard errors)."""
-    vocab = 4096
-    keys = torch.tensor([sequence_key(1, i) for i in range(32)])
-    g = gumbel_noise(keys, torch.zeros(32, dtype=torch.int64), vocab).double()
-    u = torch.exp(-torch.exp(-g))  # back to the uniforms
-    assert abs(float(u.mean()) - 0.5) < 0.003
-    assert abs(float(u.var()) - 1 / 12) < 0.002
-    nxt = torch.exp(-torch.exp(-gumbel_noise(keys, torch.ones(32, dtype=torch.int64), vocab).double()))
+def test_uniforms_are_uniform_and_uncorrelated_across_keys_and_steps():
+    """The hash's uniforms: mean 1/2, variance 1/12, strictly inside (0, 1), no correlation
+    between neighbouring keys or steps (|r| < 0.01 over 2^17 pairs: 3.6 standard errors)."""
+    keys = [sequence_key(1, i) for i in range(512)]
+    u = np.stack([row_uniforms(keys, [step] * len(keys)) for step in range(257)])  # [step, key]
+    assert u.dtype == np.float64 and 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.003
+    assert abs(u.var() - 1 / 12) < 0.002
 
     def corr(a, b):
-        return float(torch.corrcoef(torch.stack([a.ravel(), b.ravel()]))[0, 1])
+        return float(np.corrcoef(a.ravel(), b.ravel())[0, 1])
 
-    assert abs(corr(u[:-1], u[1:])) < 0.01  # key i against key i+1
-    assert abs(corr(u, nxt)) < 0.01  # step 0 against step 1
-    assert abs(corr(u[:, :-1], u[:, 1:])) < 0.01  # token v against token v+1
+    assert abs(corr(u[:, :-1], u[:, 1:])) < 0.01  # key i against key i+1
+    assert abs(corr(u[:-1], u[1:])) < 0.01  # step t against step t+1
+    # A row's number is its own: the same (key, step) anywhere in any batch.
+    assert row_uniforms(keys[8:9], [40])[0] == row_uniforms(keys[:9], list(range(32, 41)))[8]
     seeded = sequence_key(3, 0)
     assert seeded == sequence_key(3, 0) and seeded != sequence_key(3, 1)
     assert sequence_key(None, 0) != sequence_key(None, 0)
+
+
+@pytest.mark.parametrize("vocab,mass", [
+    (5, {0: 0.1, 2: 0.3, 3: 0.6}),  # one (short) block; entries 1 and 4 weigh nothing
+    (1300, {3: 0.2, 511: 0.05, 512: 0.25, 1299: 0.5}),  # two full blocks and a tail, block edges
+])
+def test_inverse_cdf_picks_the_bucket_of_each_uniform(vocab, mass):
+    """Uniforms just inside each bucket of the cumulative mass pick that bucket's token (never a
+    -inf entry), and the second value is the logsumexp of the (unnormalised) logits."""
+    z_V = torch.full((vocab,), float("-inf"))
+    for token, p in mass.items():
+        z_V[token] = math.log(p) + 2.5  # unnormalised: inverse_cdf must not assume a sum of 1
+    uniforms, expected, edge = [], [], 0.0
+    for token, p in sorted(mass.items()):
+        for u in (edge + 1e-6, edge + p / 2, edge + p - 1e-6):
+            uniforms.append(u)
+            expected.append(token)
+        edge += p
+    tokens_B, lse_B = inverse_cdf(z_V.expand(len(uniforms), -1).contiguous(), torch.tensor(uniforms, dtype=torch.float64))
+    assert tokens_B.tolist() == expected
+    torch.testing.assert_close(lse_B, torch.full_like(lse_B, 2.5))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: runs where a GPU exists")

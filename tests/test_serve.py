@@ -702,6 +702,7 @@ def test_bad_input_is_a_400_in_openai_shape(moe):
 def test_concurrent_requests_are_batched(moe):
     before = moe.engine_stats()
     client = moe.client()
+    started = time.perf_counter()
 
     def one(i: int):
         return client.chat.completions.create(
@@ -718,6 +719,13 @@ def test_concurrent_requests_are_batched(moe):
     assert after["sequences"] - before["sequences"] == 16
     assert after["batches"] - before["batches"] < 16, "requests ran one by one"
     assert after["largest_batch"] > 1
+    # The decode thread's account: every token came from a step (24 tokens per request, at most
+    # largest_batch rows a step), and its timers cover no more than the requests' own wall time.
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert 24 <= steps and 16 * 24 <= steps * after["largest_batch"]
+    busy = (after["decode_seconds"] - before["decode_seconds"]) + (after["prefill_seconds"] - before["prefill_seconds"])
+    assert 0 < busy <= time.perf_counter() - started
+    assert after["queue_seconds"] - before["queue_seconds"] >= 0
 
 
 # ---- precision profiles ----------------------------------------------------------------------

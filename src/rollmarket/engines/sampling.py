@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 
@@ -77,30 +78,92 @@ def processed_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Te
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values below
-    2^32; the multipliers stay below 2^31 so no product overflows int64."""
-    x = x ^ (x >> 16)  # the one copy: the rest works in place (each op is a pass over [B, V])
-    x.mul_(0x7FEB352D).bitwise_and_(_M32)
-    x.bitwise_xor_(x >> 15)
-    x.mul_(0x2C1B3C6D).bitwise_and_(_M32)
-    return x.bitwise_xor_(x >> 16)
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on uint64 arrays holding values below 2^32."""
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(0x7FEB352D)) & np.uint64(_M32)
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(0x846CA68B)) & np.uint64(_M32)
+    return x ^ (x >> np.uint64(16))
 
 
-def gumbel_noise(keys_B: torch.Tensor, steps_B: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel(0, 1) noise [B, vocab], float32, a pure function of (key, step, token id).
+def row_uniforms(keys: Sequence[int], steps: Sequence[int]) -> np.ndarray:
+    """One uniform in [0, 1) per row, float64, a pure function of (key, step).
 
-    Counter-based, so no generator state is carried per sequence: a sequence's noise at its
-    step t is the same in any batch, on any device. argmax(logprobs + noise) is an exact draw
-    from softmax(logprobs) (the Gumbel-max trick), with 23-bit uniforms: (m + 0.5) / 2^23 is
-    exact in float32 and below 1, so neither logarithm meets 0.
+    Counter-based, so no generator state is carried per sequence: a sequence's number at its
+    step t is the same in any batch, on any device. 53 bits from two hash chains: (m + 0.5) / 2^53
+    is exact in float64 and strictly inside (0, 1). Computed on the host (a few dozen numpy
+    operations on B values) so a decode step launches no kernels for its randomness.
     """
-    device = keys_B.device
-    row_B = _mix32((keys_B & _M32) ^ _mix32((keys_B >> 32) ^ _mix32(steps_B & _M32)))
-    ids_V = _mix32(torch.arange(vocab, device=device, dtype=torch.int64) ^ 0x5BD1E995)
-    bits_BV = _mix32(row_B[:, None] ^ ids_V[None, :]).bitwise_right_shift_(9)
-    uniform_BV = bits_BV.float().add_(0.5).mul_(1.0 / (1 << 23))
-    return uniform_BV.log_().neg_().log_().neg_()
+    m32 = np.uint64(_M32)
+    keys_B = np.asarray(keys, dtype=np.uint64)
+    steps_B = np.asarray(steps, dtype=np.uint64)
+    high_B = _mix32((keys_B & m32) ^ _mix32((keys_B >> np.uint64(32)) ^ _mix32(steps_B & m32)))
+    low_B = _mix32(high_B ^ np.uint64(0x5BD1E995))
+    bits_B = (high_B << np.uint64(21)) | (low_B >> np.uint64(11))
+    return (bits_B.astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+_BLOCK = 512
+"""Vocabulary entries per block of the two-level search (``inverse_cdf``)."""
+_TOP_P_CANDIDATES = 1024
+"""Largest logits ordered for top-p on the CPU before falling back to a full sort (``RowBatch._top_p``)."""
+
+
+def inverse_cdf(z_BV: torch.Tensor, uniforms_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw from softmax(z) per row with its uniform; returns (token_B, logsumexp_B of z).
+
+    The token is the first id (vocabulary order) whose cumulative probability exceeds ``u``.
+    Two levels keep it to about three passes over [B, V] (max, exp, block sums) with float64
+    where sums get long: the block whose cumulative mass (float64 over float32 block sums)
+    passes ``u`` is found first, then ``u``'s place inside that block, rescaled to the block's
+    own float64 cumulative sums so the two levels cannot disagree. -inf entries are never drawn.
+    """
+    rows, vocab = z_BV.shape
+    p_BV, block_cdf_BN, max_B1 = _block_masses(z_BV)
+    total_B1 = block_cdf_BN[:, -1:]
+    target_B1 = uniforms_B[:, None] * total_B1
+    block_B1 = torch.searchsorted(block_cdf_BN, target_B1, right=True).clamp_(max=block_cdf_BN.shape[1] - 1)
+    before_B1 = torch.where(block_B1 > 0, block_cdf_BN.gather(1, (block_B1 - 1).clamp(min=0)), 0.0)
+    within_B1 = ((target_B1 - before_B1) / (block_cdf_BN.gather(1, block_B1) - before_B1)).clamp_(0.0, 1.0)
+    ids_BK = block_B1 * _BLOCK + torch.arange(_BLOCK, device=z_BV.device)
+    inside_BK = ids_BK < vocab
+    ids_BK = ids_BK.clamp(max=vocab - 1)
+    # -inf entries weigh e^-87 in p_BV (see _block_masses): exactly nothing here, where the draw lands.
+    masked_BK = ~inside_BK | torch.isneginf(z_BV.gather(1, ids_BK))
+    cdf_BK = p_BV.gather(1, ids_BK).masked_fill_(masked_BK, 0.0).double().cumsum(-1)
+    offset_B1 = torch.searchsorted(cdf_BK, within_B1 * cdf_BK[:, -1:], right=True)
+    # Never past the block's last entry of positive mass (float64 rounding at u ~ 1).
+    offset_B1 = torch.minimum(offset_B1, (cdf_BK < cdf_BK[:, -1:]).sum(-1, keepdim=True))
+    token_B = (block_B1 * _BLOCK + offset_B1)[:, 0]
+    return token_B, (max_B1 + total_B1.float().log())[:, 0]
+
+
+def _block_masses(z_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """exp(z - max) [B, V], the float64 cumulative sums of its blocks of ``_BLOCK`` [B, blocks],
+    and the max [B, 1].
+
+    Exponents are clamped at -87 first: exp of -inf and of what underflows to subnormals takes a
+    slow path on the CPU (3x a whole pass). Such entries then weigh e^-87 ≈ 1.6e-38 against the
+    max's 1, at most 2.5e-33 of a row in all: below float64's resolution of any cumulative sum a
+    uniform can reach (≥ 2^-54), so they never decide the block, and ``inverse_cdf`` zeroes -inf
+    entries inside the block it draws from.
+    """
+    rows, vocab = z_BV.shape
+    max_B1 = z_BV.amax(-1, keepdim=True)
+    p_BV = (z_BV - max_B1).clamp_(min=-87.0).exp_()  # unnormalised
+    full = vocab // _BLOCK
+    sums = [p_BV[:, :full * _BLOCK].view(rows, full, _BLOCK).sum(-1)] if full else []
+    if vocab % _BLOCK:
+        sums.append(p_BV[:, full * _BLOCK:].sum(-1, keepdim=True))
+    return p_BV, torch.cat(sums, 1).double().cumsum(-1), max_B1
+
+
+def logsumexp(z_BV: torch.Tensor) -> torch.Tensor:
+    """logsumexp over the last dim, summed as ``inverse_cdf`` sums (so a row's raw and processed
+    logprobs agree to the bit where the two distributions are the same)."""
+    _, block_cdf_BN, max_B1 = _block_masses(z_BV)
+    return (max_B1 + block_cdf_BN[:, -1:].float().log())[:, 0]
 
 
 @dataclass(frozen=True)
@@ -112,7 +175,8 @@ class RowBatch:
     """
 
     params: tuple[SamplingParams, ...]
-    keys_B: torch.Tensor
+    keys: tuple[int, ...]
+    """Each row's sequence key (``sequence_key``), on the host: the uniforms are drawn there."""
     temperature_B: torch.Tensor
     """1 where the row is greedy, so the division is harmless; ``greedy_B`` picks argmax there."""
     top_k_B: torch.Tensor
@@ -125,6 +189,8 @@ class RowBatch:
     processed_B: torch.Tensor
     """Report the processed distribution's logprobs (else the raw ones)."""
     any_top_p: bool
+    any_temperature: bool
+    """Some sampled row's temperature is not 1."""
     all_greedy: bool
     any_greedy: bool
     all_processed: bool
@@ -142,19 +208,21 @@ class RowBatch:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
-            params=tuple(params), keys_B=tensor(list(keys), torch.int64),
+            params=tuple(params), keys=tuple(keys),
             temperature_B=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
                                  torch.float32),
             top_k_B=tensor(top_k, torch.int64), top_p_B=tensor([p.top_p for p in params], torch.float32),
             greedy_B=tensor(greedy, torch.bool),
             processed_B=tensor(processed, torch.bool),
             k_max=max((k for k in top_k if k < vocab), default=0), any_top_p=any(p.top_p < 1 for p in params),
+            any_temperature=any(p.temperature not in (0, 1) for p in params),
             all_greedy=all(greedy), any_greedy=any(greedy), all_processed=all(processed),
             none_processed=not any(processed), max_top=max((p.top_logprobs for p in params), default=0))
 
     def processed(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """``processed_logits`` for every row at once (masked entries -inf)."""
-        z_BV = logits_BV / self.temperature_B[:, None]
+        # Every row at temperature 1 (or greedy) is the common case: no pass over [B, V] then.
+        z_BV = logits_BV / self.temperature_B[:, None] if self.any_temperature else logits_BV
         if self.k_max:
             top_BK = torch.topk(z_BV, self.k_max, dim=-1).values
             kth_B = top_BK.gather(1, (self.top_k_B.clamp(max=self.k_max) - 1)[:, None])
@@ -162,36 +230,56 @@ class RowBatch:
             kth_B = kth_B.masked_fill((self.top_k_B > self.k_max)[:, None], float("-inf"))
             z_BV = z_BV.masked_fill(z_BV < kth_B, float("-inf"))
         if self.any_top_p:
-            sorted_BV, order_BV = torch.sort(z_BV, dim=-1, descending=True)
-            p_BV = sorted_BV.softmax(-1)
-            # As in processed_logits: drop a token once the mass before it reaches top_p.
-            drop_sorted_BV = ((p_BV.cumsum(-1) - p_BV) >= self.top_p_B[:, None]) & (self.top_p_B < 1)[:, None]
-            drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
-            z_BV = z_BV.masked_fill(drop_BV, float("-inf"))
+            z_BV = self._top_p(z_BV)
         return z_BV
+
+    def _top_p(self, z_BV: torch.Tensor) -> torch.Tensor:
+        """Mask what top-p drops: a token once the mass before it (descending order) reaches top_p.
+
+        On the CPU a full sort of a 152k row is most of a step; when the ``_TOP_P_CANDIDATES``
+        largest logits of every top-p row already hold top_p of its mass, every token beyond
+        them is dropped anyway, so only they are ordered (same kept set). Elsewhere, and when
+        they do not, the whole row is sorted (on CUDA always: the check would be a device sync).
+        """
+        applies_B = self.top_p_B < 1
+        vocab = z_BV.shape[-1]
+        if z_BV.device.type == "cpu" and vocab > 2 * _TOP_P_CANDIDATES:
+            top_BK, ids_BK = torch.topk(z_BV, _TOP_P_CANDIDATES, dim=-1)  # sorted, descending
+            p_BK = (top_BK - torch.logsumexp(z_BV, dim=-1, keepdim=True)).exp_()
+            if bool(((p_BK.sum(-1) >= self.top_p_B) | ~applies_B).all()):
+                drop_BK = ((p_BK.cumsum(-1) - p_BK) >= self.top_p_B[:, None]) & applies_B[:, None]
+                keep_BV = torch.zeros_like(z_BV, dtype=torch.bool).scatter_(1, ids_BK, ~drop_BK)
+                return z_BV.masked_fill(~(keep_BV | ~applies_B[:, None]), float("-inf"))
+        sorted_BV, order_BV = torch.sort(z_BV, dim=-1, descending=True)
+        p_BV = sorted_BV.softmax(-1)
+        drop_sorted_BV = ((p_BV.cumsum(-1) - p_BV) >= self.top_p_B[:, None]) & applies_B[:, None]
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter(1, order_BV, drop_sorted_BV)
+        return z_BV.masked_fill(drop_BV, float("-inf"))
 
     def draw(self, logits_BV: torch.Tensor, steps: Sequence[int]) -> "Drawn":
         """Sample one token per row from float32 logits [B, V]; ``steps[b]`` is how many tokens
         row b has drawn before (its position in its own random stream)."""
         if self.all_greedy:
-            token_B, report_BV = torch.argmax(logits_BV, dim=-1), torch.log_softmax(logits_BV, dim=-1)
+            token_B = torch.argmax(logits_BV, dim=-1)
         else:
-            processed_BV = torch.log_softmax(self.processed(logits_BV), dim=-1)
-            steps_B = torch.tensor(list(steps), dtype=torch.int64).to(logits_BV.device, non_blocking=True)
-            token_B = torch.argmax(processed_BV + gumbel_noise(self.keys_B, steps_B, logits_BV.shape[-1]), dim=-1)
+            z_BV = self.processed(logits_BV)
+            uniforms_B = torch.from_numpy(row_uniforms(self.keys, steps)).to(logits_BV.device, non_blocking=True)
+            token_B, z_lse_B = inverse_cdf(z_BV, uniforms_B)
             if self.any_greedy:
                 token_B = torch.where(self.greedy_B, torch.argmax(logits_BV, dim=-1), token_B)
-            # Each [B, V] pass costs at a 152k vocabulary: the raw distribution only where a row reports it.
-            if self.all_processed:
-                report_BV = processed_BV
-            else:
-                raw_BV = torch.log_softmax(logits_BV, dim=-1)
-                report_BV = raw_BV if self.none_processed else torch.where(
-                    self.processed_B[:, None], processed_BV, raw_BV)
-        columns = [token_B[:, None].double(), report_BV.gather(1, token_B[:, None]).double()]
+        # The reported distribution as (logits, logsumexp): each [B, V] pass costs at a 152k
+        # vocabulary, so the raw one only where a row reports it, and no log_softmax pass at all.
+        if self.all_processed:
+            report_BV, lse_B = z_BV, z_lse_B
+        elif self.none_processed:
+            report_BV, lse_B = logits_BV, logsumexp(logits_BV)
+        else:
+            report_BV = torch.where(self.processed_B[:, None], z_BV, logits_BV)
+            lse_B = torch.where(self.processed_B, z_lse_B, logsumexp(logits_BV))
+        columns = [token_B[:, None].double(), (report_BV.gather(1, token_B[:, None]) - lse_B[:, None]).double()]
         if self.max_top:
             top_values_BK, top_ids_BK = torch.topk(report_BV, min(self.max_top, report_BV.shape[-1]), dim=-1)
-            columns += [top_ids_BK.double(), top_values_BK.double()]
+            columns += [top_ids_BK.double(), (top_values_BK - lse_B[:, None]).double()]
         # One transfer for the whole step (token ids are exact in float64).
         return Drawn(torch.cat(columns, 1).cpu().tolist(), self)
 

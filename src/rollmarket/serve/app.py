@@ -308,7 +308,9 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
                 "moe_layers": info.num_moe_layers, "num_experts": info.num_experts, "top_k": info.top_k,
                 "max_context_tokens": info.max_context_tokens,
                 "batches": server.batcher.batches, "sequences": server.batcher.sequences,
-                "largest_batch": server.batcher.largest_batch}
+                "largest_batch": server.batcher.largest_batch, "decode_steps": server.batcher.steps,
+                "decode_seconds": server.batcher.step_seconds, "prefill_seconds": server.batcher.prefill_seconds,
+                "queue_seconds": server.batcher.queue_seconds}
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=_ERRORS)
     async def tokenize(request: Request):

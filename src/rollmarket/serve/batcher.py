@@ -66,6 +66,16 @@ class Batcher:
         self.sequences = 0
         self.largest_batch = 0
         """Most sequences decoded in one step."""
+        # Where the decode thread's wall time goes (cumulative; /v1/engine reports them, the
+        # throughput benchmark takes differences per burst to split HTTP's cost from the engine's).
+        self.steps = 0
+        """Decode steps run."""
+        self.step_seconds = 0.0
+        """Wall time inside decode steps, the hand-over of their results included."""
+        self.prefill_seconds = 0.0
+        """Wall time of prefills (admissions)."""
+        self.queue_seconds = 0.0
+        """Summed over admitted requests: from ``submit`` to the start of their prefill."""
 
     def start(self) -> None:
         self._thread.start()
@@ -147,6 +157,8 @@ class Batcher:
                 params.append(pending.params)
                 seeds_index.append(choice)
                 who.append((pending, choice))
+        started = time.perf_counter()
+        self.queue_seconds += sum(started - pending.enqueued_at for pending in joining)
         rows = session.add(prompts, params, seeds_index)
         for row, owner in zip(rows, who):
             owners[row.index] = owner
@@ -154,8 +166,15 @@ class Batcher:
             pending.running = pending.n
         self.batches += 1
         self.sequences += len(prompts)
+        self.prefill_seconds += time.perf_counter() - started
 
     def _step(self, session, owners: dict[int, tuple[Pending, int]]) -> None:
+        started = time.perf_counter()
+        self._decode(session, owners)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - started
+
+    def _decode(self, session, owners: dict[int, tuple[Pending, int]]) -> None:
         cancelled = [r for r in session.rows if owners[r.index][0].cancelled]
         if cancelled:
             session.remove(cancelled)

@@ -139,3 +139,27 @@ def test_batcher_admits_a_request_while_another_is_decoding(engine):
               _alone(engine, prompt, params))
         assert events[-1].finish_reason == "length"
     assert doomed.events.qsize() < long_params.max_tokens  # it stopped being decoded
+
+
+def test_the_decode_thread_can_write_its_profile(engine, tmp_path):
+    """``profile_path`` (serve-model --profile-decode): when the batcher stops, the decode thread's
+    cProfile statistics are on disk, and they are the decode loop's (its step and the engine's)."""
+    import pstats
+
+    out = tmp_path / "decode.prof"
+    batcher = Batcher(engine, max_seqs=4, window_s=0, profile_path=str(out))
+    batcher.start()
+
+    async def run():
+        pending = batcher.submit(_prompt(engine, "hello"), SamplingParams(max_tokens=6, seed=1, ignore_eos=True), 2,
+                                 stream=False)
+        while (item := await pending.events.get()) is not DONE:
+            assert not isinstance(item, Exception), item
+
+    try:
+        asyncio.run(run())
+    finally:
+        batcher.stop()
+    assert not batcher._thread.is_alive()
+    functions = {name for (_, _, name) in pstats.Stats(str(out)).stats}
+    assert {"_decode", "step"} <= functions, sorted(functions)[:20]

@@ -92,7 +92,7 @@ class ModelServer:
         self.detok = Detokenizer(engine.tokenizer)
         self.eos_ids = frozenset(engine.info.eos_token_ids)
         self.batcher = Batcher(engine, max_seqs=settings.max_batch_seqs,
-                               window_s=settings.batch_window_ms / 1000.0)
+                               window_s=settings.batch_window_ms / 1000.0, profile_path=settings.profile_decode)
         self.created = int(time.time())
         self.stored = StoredResponses(settings.responses_kept)
 

@@ -53,8 +53,11 @@ def _deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
 
 
 class Batcher:
-    def __init__(self, engine: RolloutEngine, *, max_seqs: int = 32, window_s: float = 0.005):
+    def __init__(self, engine: RolloutEngine, *, max_seqs: int = 32, window_s: float = 0.005,
+                 profile_path: str | None = None):
+        """``profile_path``: write cProfile statistics of the decode thread there when it stops."""
         self.engine = engine
+        self.profile_path = profile_path
         self.max_seqs = max_seqs
         self.window_s = window_s
         self._queue: queue.Queue[Pending | None] = queue.Queue()
@@ -125,6 +128,19 @@ class Batcher:
         return batch
 
     def _run(self) -> None:
+        if self.profile_path is None:
+            return self._serve()
+        import cProfile
+
+        profile = cProfile.Profile()  # enabled in this thread: it sees the decode loop only
+        profile.enable()
+        try:
+            self._serve()
+        finally:
+            profile.disable()
+            profile.dump_stats(self.profile_path)
+
+    def _serve(self) -> None:
         session = self.engine.session()
         owners: dict[int, tuple[Pending, int]] = {}
         while True:

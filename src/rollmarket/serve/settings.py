@@ -27,5 +27,8 @@ class ServeSettings(BaseModel):
     max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs a request may ask for.")
     responses_kept: int = Field(
         1024, ge=0, description="Stored responses kept for previous_response_id (the oldest go first); 0 keeps none.")
+    profile_decode: str | None = Field(
+        None, description="Write cProfile statistics of the decode thread to this file when the server stops "
+                          "(where a decode step's CPU time goes; read them with python -m pstats).")
     return_routed_experts: bool = Field(
         True, description="Return routed experts when a request asks (MoE models); off: the field is ignored.")

@@ -5,8 +5,8 @@ concurrent chat requests through the official `openai` client (AsyncOpenAI): eve
 the same prompt, its own seed, ``ignore_eos`` and the same ``max_tokens``, so all sequences are
 equally long and tokens/s = completion tokens / wall time of the burst. The server batches
 continuously (requests join the running batch between decode steps); the "prefills" column says
-how many prefills a burst took (1: it was admitted as one). Each case is warmed up with one
-burst of the measured length first. The server's own timers (``/v1/engine``: decode steps,
+how many prefills a burst took (1: it was admitted as one). Each HTTP case is warmed up with
+bursts of the measured length until two agree within 15% (at most 4). The server's own timers (``/v1/engine``: decode steps,
 their wall time, prefill time, requests' wait between submit and prefill) split each HTTP burst:
 "ms per step" is the server's decode step against the engine's burst wall per step, "server
 decode share" how much of the burst's wall the decode thread was busy; the rest is HTTP, the
@@ -102,6 +102,19 @@ async def _burst(client, name: str, batch: int, max_tokens: int) -> tuple[float,
     return time.perf_counter() - started, sum(t for t, _ in done), [s for _, s in done]
 
 
+async def _warm(burst, most: int = 4, within: float = 0.15) -> int:
+    """Run warm-up bursts until one's rate is within ``within`` of the previous one's (at most
+    ``most``); returns how many ran."""
+    previous = None
+    for done in range(1, most + 1):
+        wall, tokens, _ = await burst()
+        rate = tokens / wall
+        if previous is not None and abs(rate - previous) <= within * max(rate, previous):
+            return done
+        previous = rate
+    return most
+
+
 def bench_server(model: Path, args, log: Path) -> list[dict]:
     from openai import AsyncOpenAI
 
@@ -114,9 +127,10 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
             client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             stats = httpx.AsyncClient(base_url=url, timeout=60)
             for batch in args.batches:
-                # Warm-up at the measured length: a first burst of new cache sizes paid one-time
-                # costs (on an H200 the first of two measured bursts ran up to 5x slower than the second).
-                await _burst(client, name, batch, args.max_tokens)
+                # Warm-up at the measured length until two bursts agree: new shapes pay one-time
+                # costs (compiles) for more than one burst (on an H100 after batch 1's bursts the
+                # first batch-32 burst past one warm-up still ran at 1/7 of the next one's rate).
+                await _warm(lambda: _burst(client, name, batch, args.max_tokens))
                 rates, latencies, engine_batches, inside = [], [], [], []
                 for _ in range(args.repeats):
                     before = (await stats.get("/v1/engine")).json()

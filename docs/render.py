@@ -381,6 +381,24 @@ def _():
     return "\n\n".join(out)
 
 
+SERVE_PROFILE = "benchmarks/results/serve_profile-cuda.json"
+
+
+@block("serve-profile")
+def _():
+    if not (ROOT / SERVE_PROFILE).is_file():
+        return f"Not measured yet: `{SERVE_PROFILE}` is absent (`python benchmarks/serve_profile.py --device cuda`)."
+    raw = load(SERVE_PROFILE)
+
+    def walls(side: dict) -> str:
+        return ", ".join(f"{w:.2f}" for w in side["walls_s"])
+
+    return (provenance(SERVE_PROFILE, raw["meta"]) + "\n\n"
+            + table(["decode thread", "bursts of 32 × 64 tokens, s (under cProfile)", "own time in the profile, s"],
+                    list("lrr"), [["serve-model (HTTP)", walls(raw["server"]), f"{raw['server']['total_own_s']:.1f}"],
+                                  ["Batcher in one process", walls(raw["inprocess"]), f"{raw['inprocess']['total_own_s']:.1f}"]]))
+
+
 @block("serve-inside")
 def _():
     rows = _serve(SERVE_CUDA) if (ROOT / SERVE_CUDA).is_file() else {}

@@ -394,9 +394,8 @@ def _():
         return ", ".join(f"{w:.2f}" for w in side["walls_s"])
 
     return (provenance(SERVE_PROFILE, raw["meta"]) + "\n\n"
-            + table(["decode thread", "bursts of 32 × 64 tokens, s (under cProfile)", "own time in the profile, s"],
-                    list("lrr"), [["serve-model (HTTP)", walls(raw["server"]), f"{raw['server']['total_own_s']:.1f}"],
-                                  ["Batcher in one process", walls(raw["inprocess"]), f"{raw['inprocess']['total_own_s']:.1f}"]]))
+            + table(["decode thread", "bursts of 32 × 64 tokens, s (under cProfile)"], list("lr"),
+                    [["serve-model (HTTP)", walls(raw["server"])], ["Batcher in one process", walls(raw["inprocess"])]]))
 
 
 @block("serve-inside")

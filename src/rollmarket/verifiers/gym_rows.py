@@ -7,7 +7,8 @@ A Gym resources server gets its dataset's own fields beside `responses_create_pa
 dataset            the row's fields (Gym's server)                             our task
 =================  ==========================================================  ===================
 ``math``           ``expected_answer`` (math_with_judge; ``question`` kept)    ``math``, answer
-``mcqa``           ``options`` [{"A": text}, ...] + ``expected_answer`` (mcqa)  ``multiple_choice``
+``mcqa``           ``options`` [{"A": text}, ...] + ``expected_answer``        ``multiple_choice``
+                   (+ ``grading_mode``; mcqa)                                 (its ``read``)
 ``code``           ``verifier_metadata.unit_tests`` {inputs, outputs,          ``code`` (io cases, or
                    fn_name}, or its ``packed`` form (code_gen)                 asserts on fn_name)
 ``instructions``   ``instruction_id_list`` + ``kwargs`` (instruction_following)  ``instructions``
@@ -164,7 +165,20 @@ def _mcqa(row: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
     expected = _string(row, "expected_answer").upper()
     if len(expected) != 1 or not "A" <= expected < chr(ord("A") + len(texts)):
         raise GymRowError(f"expected_answer: {expected!r} is not the letter of an option")
-    return "multiple_choice", expected, {"options": texts}
+    mode = row.get("grading_mode", _MCQA_DEFAULT_MODE)
+    if mode not in _MCQA_READING:
+        raise GymRowError(f"grading_mode: {mode!r} is not one of mcqa's ({', '.join(_MCQA_READING)})")
+    template = row.get("template_metadata")
+    if isinstance(template, dict) and "output_regex" in template:
+        raise GymRowError("template_metadata.output_regex: a row's own answer patterns are not read here "
+                          "(mcqa's grading_mode is)")
+    return "multiple_choice", expected, {"options": texts, "read": _MCQA_READING[mode]}
+
+
+# mcqa's grading modes (a row's `grading_mode`, strict by default) and the multiple_choice reading that
+# grades the same way; Gym's server reads an unboxed "Answer: B" as no answer unless the row says so.
+_MCQA_DEFAULT_MODE = "strict_single_letter_boxed"
+_MCQA_READING = {_MCQA_DEFAULT_MODE: "boxed_letter", "lenient_boxed": "boxed", "lenient_answer_colon": "answer_colon"}
 
 
 def _unit_tests(row: dict[str, Any]) -> dict[str, Any]:

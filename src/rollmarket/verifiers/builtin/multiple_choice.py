@@ -12,6 +12,17 @@ What the answer picks, first rule that finds something wins:
 4. letters standing alone as options ("(B)", "B)", "B." at a word start): exactly one distinct;
 5. option texts quoted in full (case-insensitive, whole words): exactly one distinct.
 
+`read` narrows where the pick is read, the way NeMo Gym's mcqa server grades (its `grading_mode`):
+
+- `any` (default): the rules above;
+- `boxed_letter` (Gym's `strict_single_letter_boxed`, its default): only the last \\boxed{}, holding one
+  upper-case letter among non-letters ("[C]") or a letter then a label mark ("C: text", "C) text");
+- `boxed` (Gym's `lenient_boxed`): that, else the one option whose text the last \\boxed{} contains;
+- `answer_colon` (Gym's `lenient_answer_colon`): the first "answer:" line's rest, a letter in either
+  case or one option's exact text.
+
+In every reading a \\boxed{} content wrapped in \\text{...} is read unwrapped.
+
 Typed failures (info.failure): `no_answer` (None or blank), `no_choice` (nothing picked),
 `ambiguous` (rules 4 or 5 found two or more different options: info.candidates lists them),
 `out_of_range` (a whole answer that is a letter with no option), `wrong` (a clear pick, not the expected one).
@@ -50,9 +61,20 @@ class ChoiceFailure(StrEnum):
     wrong = "wrong"
 
 
+class ChoiceReading(StrEnum):
+    """Where the pick is read from the answer (the module docstring has each rule)."""
+
+    any = "any"
+    boxed_letter = "boxed_letter"
+    boxed = "boxed"
+    answer_colon = "answer_colon"
+
+
 class MultipleChoiceArgs(VerifierArgs):
     options: list[str] = Field(min_length=2, max_length=len(LETTERS),
                                description="The options in order; the first is A.")
+    read: ChoiceReading = Field(ChoiceReading.any, description="Where the pick is read: any, boxed_letter, "
+                                "boxed or answer_colon (NeMo Gym's mcqa grading modes).")
 
 
 _ALONE = re.compile(r"^\s*[(\[]?\s*([A-Za-z])\s*[)\].]?\s*$")
@@ -68,8 +90,59 @@ def _patterns(count: int) -> tuple[re.Pattern[str], re.Pattern[str]]:
     return stated, bracketed
 
 
+_TEXT_WRAP = re.compile(r"\\text\{\s*(.*?)\s*\}", re.S)
+_BOXED_LONE_LETTER = re.compile(r"^[^A-Za-z]*([A-Z])[^A-Za-z]*$")
+_BOXED_LABEL = re.compile(r"^\s*([A-Z])\s*[:).\-]")
+_ANSWER_COLON = re.compile(r"(?i)answer\s*:\s*(.+)")
+
+
+def _unwrap_text(span: str) -> str:
+    """`span` without the \\text{...} wrappers around all of it ("\\text{E}" is "E")."""
+    while (whole := _TEXT_WRAP.fullmatch(span)) is not None:
+        span = whole.group(1)
+    return span
+
+
+def _folded(text: str) -> str:
+    return " ".join(text.split()).casefold()
+
+
+def _boxed_letter(answer: str) -> str | None:
+    """The letter of the last \\boxed{} when it holds one alone or as a label; else None."""
+    boxed = last_boxed(answer)
+    if boxed is None:
+        return None
+    inner = _unwrap_text(boxed.strip())
+    found = _BOXED_LONE_LETTER.match(inner) or _BOXED_LABEL.match(inner)
+    return found.group(1) if found else None
+
+
+def _boxed_option_text(answer: str, options: list[str]) -> str | None:
+    """The letter of the one option whose text the last \\boxed{} contains (any case); else None."""
+    boxed = last_boxed(answer)
+    if boxed is None:
+        return None
+    spans = {_folded(boxed), _folded(_unwrap_text(boxed.strip()))}
+    hits = {LETTERS[i] for i, option in enumerate(options)
+            if _folded(option) and any(_folded(option) in span for span in spans)}
+    return hits.pop() if len(hits) == 1 else None
+
+
+def _answer_colon(answer: str, options: list[str]) -> str | None:
+    """The first "answer:" line's rest read as one letter (either case) or one option's exact text."""
+    stated = _ANSWER_COLON.search(answer)
+    if stated is None:
+        return None
+    span = _unwrap_text(stated.group(1)).strip()
+    if len(span) == 1 and span.isalpha():
+        return span.upper()
+    hits = [LETTERS[i] for i, option in enumerate(options) if _folded(option) == _folded(span)]
+    return hits[0] if hits else None
+
+
 def _letter_or_text(span: str, options: list[str]) -> str | None:
     """A letter when `span` is one letter (bracketed or not) or exactly one option's text; else None."""
+    span = _unwrap_text(span.strip())
     alone = _ALONE.match(span)
     if alone:
         return alone.group(1).upper()
@@ -78,8 +151,15 @@ def _letter_or_text(span: str, options: list[str]) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def pick(answer: str, options: list[str]) -> tuple[str | None, list[str]]:
+def pick(answer: str, options: list[str],
+         read: ChoiceReading = ChoiceReading.any) -> tuple[str | None, list[str]]:
     """(the letter the answer picks or None, the distinct candidates seen when it is ambiguous)."""
+    if read is ChoiceReading.boxed_letter:
+        return _boxed_letter(answer), []
+    if read is ChoiceReading.boxed:
+        return _boxed_letter(answer) or _boxed_option_text(answer, options), []
+    if read is ChoiceReading.answer_colon:
+        return _answer_colon(answer, options), []
     boxed = last_boxed(answer)
     if boxed is not None and (letter := _letter_or_text(boxed, options)):
         return letter, []
@@ -120,7 +200,7 @@ class MultipleChoiceVerifier(Verifier):
               args: MultipleChoiceArgs, expected: str) -> VerifyResult:
         if answer is None or not answer.strip():
             return result(0.0, canonical=None, expected=expected, why="no answer", failure=ChoiceFailure.no_answer)
-        letter, candidates = pick(answer, args.options)
+        letter, candidates = pick(answer, args.options, args.read)
         if letter is None and len(candidates) > 1:
             return result(0.0, canonical=None, expected=expected, candidates=candidates,
                           why=f"the answer names several options ({', '.join(candidates)})",

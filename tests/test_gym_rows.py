@@ -129,6 +129,10 @@ BAD_ROWS = [
     (row("x", verifier_metadata={"unit_tests": {"inputs": ["1"], "outputs": ["2"], "fn_name": "a b"}}), "fn_name"),
     (row("x", verifier_metadata={"unit_tests": {"inputs": ["{"], "outputs": ["2"], "fn_name": "f"}}), "JSON"),
     (row("x", verifier_metadata={}), "unit_tests"),
+    ({**MCQA, "grading_mode": "lenient_answer_colon_md"}, "grading_mode"),
+    ({**MCQA, "template_metadata": {"output_regex": "(["}}, "not a regular expression"),
+    ({**MCQA, "template_metadata": {"output_regex": "(a)(b)"}}, "2 groups"),
+    ({**MCQA, "template_metadata": {"output_regex": 3}}, "output_regex"),
     ({"responses_create_params": {"input": []}, "expected_answer": "2"}, "user message"),
 ]
 
@@ -197,3 +201,40 @@ def test_hostile_row_fields_are_row_errors_or_tasks_never_crashes(field):
             except GymRowError:
                 continue
             assert isinstance(task, TaskSpec)
+
+
+# Bodies NeMo Gym's own mcqa server (NVIDIA-NeMo/Gym 07d6b0d, resources_servers/mcqa, run on loopback)
+# was sent, its tests' answers and grading modes, with the reward it answered; ours must answer the same.
+GYM_OPTIONS = [{"A": "optA"}, {"B": "optB"}, {"C": "optC"}, {"D": "optD"}, {"E": "optE"}]
+GYM_MCQA = [
+    ("The answer is C.", "C", {}, 0.0),  # no grading_mode: strict_single_letter_boxed, Gym's default
+    ("I think the answer is B.\n\nAnswer: B", "B", {"grading_mode": "strict_single_letter_boxed"}, 0.0),
+    ("(B)", "B", {}, 0.0),
+    ("Final: \\boxed{ [C] }", "C", {}, 1.0),
+    ("\\boxed{\nC: optC is the one\n}", "C", {}, 1.0),
+    ("Final: \\boxed{ optC }", "C", {}, 0.0),
+    ("Final: \\boxed{ optC }", "C", {"grading_mode": "lenient_boxed"}, 1.0),
+    ("\\boxed{\\text{E}}", "E", {"grading_mode": "lenient_boxed"}, 1.0),
+    ("\\boxed{B", "B", {}, 0.0),
+    ("Answer: c", "C", {"grading_mode": "lenient_answer_colon"}, 1.0),
+    ("Answer: optC", "C", {"grading_mode": "lenient_answer_colon"}, 1.0),
+    ("Option Selected: B", "B", {"template_metadata": {"output_regex": "Option Selected:\\s*([A-Za-z])"}}, 1.0),
+    ("ANSWER IS b", "B", {"template_metadata": {"output_regex": "ANSWER IS\\s*([A-Za-z])"}}, 1.0),
+    ("Maybe Answer: A? Let me reconsider. Final Answer: B", "B",
+     {"template_metadata": {"output_regex": "Answer:\\s*([A-Za-z])"}}, 1.0),
+    ("Antwort: B", "B", {"template_metadata": {"output_regex": ["Answer\\s*:\\s*([A-Za-z])",
+                                                                 "Antwort\\s*:\\s*([A-Za-z])"]}}, 1.0),
+    ("Answer: \\boxed{{B}}", "B", {"template_metadata": {"output_regex": "Final Choice:\\s*([A-Z])"}}, 1.0),
+]
+
+
+def test_mcqa_rows_are_graded_as_gyms_own_mcqa_server_grades_them(server):
+    """An mcqa row's grading_mode (strict boxed letter unless it says otherwise) and its
+    template_metadata patterns decide where the pick is read, as in Gym's server: an unboxed
+    "The answer is C." is no answer there, so 0 here too."""
+    for text, expected, extra, gym_reward in GYM_MCQA:
+        sent = {"responses_create_params": {"input": [{"role": "user", "content": "Q?"}]},
+                "response": response(message(text)), "options": GYM_OPTIONS, "expected_answer": expected, **extra}
+        answered = post(server.url, "/verify", sent)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["reward"] == gym_reward, (text, extra, answered.json()["verification"])

@@ -8,7 +8,7 @@ dataset            the row's fields (Gym's server)                             o
 =================  ==========================================================  ===================
 ``math``           ``expected_answer`` (math_with_judge; ``question`` kept)    ``math``, answer
 ``mcqa``           ``options`` [{"A": text}, ...] + ``expected_answer``        ``multiple_choice``
-                   (+ ``grading_mode``; mcqa)                                 (its ``read``)
+                   (+ ``grading_mode``, ``template_metadata``; mcqa)          (``read``, ``patterns``)
 ``code``           ``verifier_metadata.unit_tests`` {inputs, outputs,          ``code`` (io cases, or
                    fn_name}, or its ``packed`` form (code_gen)                 asserts on fn_name)
 ``instructions``   ``instruction_id_list`` + ``kwargs`` (instruction_following)  ``instructions``
@@ -169,10 +169,11 @@ def _mcqa(row: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
     if mode not in _MCQA_READING:
         raise GymRowError(f"grading_mode: {mode!r} is not one of mcqa's ({', '.join(_MCQA_READING)})")
     template = row.get("template_metadata")
-    if isinstance(template, dict) and "output_regex" in template:
-        raise GymRowError("template_metadata.output_regex: a row's own answer patterns are not read here "
-                          "(mcqa's grading_mode is)")
-    return "multiple_choice", expected, {"options": texts, "read": _MCQA_READING[mode]}
+    patterns = template.get("output_regex", []) if isinstance(template, dict) else []
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise GymRowError("template_metadata.output_regex: must be a regular expression or a list of them")
+    return "multiple_choice", expected, {"options": texts, "read": _MCQA_READING[mode], "patterns": patterns}
 
 
 # mcqa's grading modes (a row's `grading_mode`, strict by default) and the multiple_choice reading that

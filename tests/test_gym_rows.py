@@ -101,6 +101,8 @@ def test_gym_rows_are_scored_by_the_matching_family(server):
         assert {k: out[k] for k in sent} == sent  # Gym's answer echoes the request, row fields included
         if verifier == "multiple_choice":  # what Gym's servers add: the answer as read
             assert out["extracted_answer"] == ("B" if reward else "A")
+        if verifier == "math":  # fields Gym's math_with_judge response (LibraryJudgeMathVerifyResponse) requires
+            assert (out["library_reward"], out["judge_evaluations"]) == (reward, None)
         if verifier == "code":
             assert out["extracted_model_code"] == answer.split("```python\n")[1].split("```")[0].strip()
         # The row's task, given as our own task, gets the same verdict: the row was read, not guessed.

@@ -308,9 +308,14 @@ def gym_reward(task: TaskSpec, verdict: VerifyResult) -> float:
 
 def gym_extracted(task: TaskSpec, verdict: VerifyResult, answer: str | None) -> dict[str, Any]:
     """The fields Gym's servers add for what they read from the answer (their metrics group samples by
-    them): `extracted_answer` for math and mcqa rows, `extracted_model_code` for code rows."""
+    them): `extracted_answer` for math and mcqa rows, `extracted_model_code` for code rows. Math rows
+    also get the two fields math_with_judge's response requires: `library_reward` (the checker's
+    reward, before any judge: ours has none) and `judge_evaluations` (null: no judge was asked)."""
     dataset = task.metadata.get("gym_dataset")
-    if dataset in (GymDataset.math.value, GymDataset.mcqa.value):
+    if dataset == GymDataset.math.value:
+        return {"extracted_answer": verdict.info.get("canonical"), "library_reward": verdict.reward,
+                "judge_evaluations": None}
+    if dataset == GymDataset.mcqa.value:
         return {"extracted_answer": verdict.info.get("canonical")}
     if dataset == GymDataset.code.value:
         return {"extracted_model_code": extract_code(answer or "") or None}

@@ -15,6 +15,7 @@ import json
 import subprocess
 import zlib
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from helpers import rollmarket_command
@@ -240,3 +241,30 @@ def test_mcqa_rows_are_graded_as_gyms_own_mcqa_server_grades_them(server):
         answered = post(server.url, "/verify", sent)
         assert answered.status_code == 200, answered.text
         assert answered.json()["reward"] == gym_reward, (text, extra, answered.json()["verification"])
+
+
+def test_a_gym_agents_seed_body_seeds_the_rows_task(server):
+    """Gym's simple_agent sends its whole run request (the dataset row, its Responses params dumped
+    with their nulls) to /seed_session, then /verify in that session; we refused it (422) before
+    NeMo Gym's own agent was run against us."""
+    gym_params = {"input": [{"role": "user", "content": "Capital of France? A) Lyon B) Paris", "type": "message"}],
+                  "background": None, "include": None, "instructions": None, "max_output_tokens": 16,
+                  "metadata": None, "model": None, "parallel_tool_calls": True, "tool_choice": "auto",
+                  "tools": [], "temperature": 0.0}
+    seed_body = {"responses_create_params": gym_params, "options": [{"A": "Lyon"}, {"B": "Paris"}],
+                 "expected_answer": "B", "grading_mode": "strict_single_letter_boxed", "uuid": "seed-1"}
+    seeded = post(server.url, "/seed_session", seed_body)
+    assert seeded.status_code == 200, seeded.text
+    session = seeded.json()["session_id"]
+    assert httpx.get(server.url + "/session", headers={"x-rollmarket-session": session}).json()["task_id"] == \
+        "gym-seed-1"
+    # /verify with no row fields and no task: the session's task (from the seed row) scores it.
+    for text, reward in (("\\boxed{B}", 1.0), ("The answer is B.", 0.0)):
+        bare = {"responses_create_params": gym_params, "response": response(message(text))}
+        assert post(server.url, "/verify", bare, session=session).json()["reward"] == reward
+    # A seed with no row fields opens a session with no task; a row that does not fit opens none.
+    assert post(server.url, "/seed_session", {"responses_create_params": gym_params}).status_code == 200
+    before = server.healthz()["sessions"]
+    error = assert_error(post(server.url, "/seed_session", {**seed_body, "expected_answer": "Q"}), 422,
+                         "invalid_request")
+    assert "expected_answer" in error["message"] and server.healthz()["sessions"] == before

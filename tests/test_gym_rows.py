@@ -14,6 +14,8 @@ import base64
 import json
 import subprocess
 import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from threading import Thread
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from test_resources_server import assert_error, post, start_server
 
 from rollmarket.contracts import TaskSpec
 from rollmarket.verifiers import ResourcesSettings, create_resources_app, verify
+from rollmarket.verifiers.client import ResourcesClient, ResourcesError
 from rollmarket.verifiers.gym_rows import GymRowError, task_from_row
 
 
@@ -268,3 +271,38 @@ def test_a_gym_agents_seed_body_seeds_the_rows_task(server):
     error = assert_error(post(server.url, "/seed_session", {**seed_body, "expected_answer": "Q"}), 422,
                          "invalid_request")
     assert "expected_answer" in error["message"] and server.healthz()["sessions"] == before
+
+
+class _GymLikeResources(BaseHTTPRequestHandler):
+    """Answers as a NeMo Gym resources server does: /seed_session is `{}` (Gym keeps the session in
+    its own cookie), /verify a Gym verify response, not a VerifyResult."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        answer = {} if self.path == "/seed_session" else {"responses_create_params": {"input": []}, "reward": 1.0}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_gym_resources_server_behind_our_client_is_a_typed_error():
+    """Our agent server pointed at NeMo Gym's own mcqa server crashed (500, KeyError 'session_id'):
+    the client now says which server answered what, as a ResourcesError (the agent server's 502)."""
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), _GymLikeResources)
+    Thread(target=stub.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{stub.server_address[1]}"
+    try:
+        with pytest.raises(ResourcesError, match="without a session_id") as seeded:
+            ResourcesClient(url).seed_session()
+        assert seeded.value.status is None
+        with pytest.raises(ResourcesError, match="answered no VerifyResult"):
+            ResourcesClient(url).verify(None, "B")
+    finally:
+        stub.shutdown()
+        stub.server_close()

@@ -78,7 +78,7 @@ CASES = [
     (MCQA, "\\boxed{A}", 0.0, 0.0, "multiple_choice"),
     (CODE_IO, SUM, 1.0, 1.0, "code"),
     (CODE_IO, "```python\nprint(5)\n```", 0.0, 0.5, "code"),
-    (CODE_PACKED, SUM, 1.0, 1.0, "code"),
+    (CODE_PACKED, SUM, 1.0, 1.0, "code"),  # Gym's code_gen at 07d6b0d does not read `packed` (its 500)
     (CODE_CALL, TWO_SUM, 1.0, 1.0, "code"),
     (CODE_CALL, "```python\ndef twoSum(nums, target):\n    return [0, 1]\n```", 0.0, 0.5, "code"),
     (IFEVAL, "the sea is wide", 1.0, 1.0, "instructions"),

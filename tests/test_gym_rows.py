@@ -14,7 +14,10 @@ import base64
 import json
 import subprocess
 import zlib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from threading import Thread
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from helpers import rollmarket_command
@@ -23,6 +26,7 @@ from test_resources_server import assert_error, post, start_server
 
 from rollmarket.contracts import TaskSpec
 from rollmarket.verifiers import ResourcesSettings, create_resources_app, verify
+from rollmarket.verifiers.client import ResourcesClient, ResourcesError
 from rollmarket.verifiers.gym_rows import GymRowError, task_from_row
 
 
@@ -74,7 +78,7 @@ CASES = [
     (MCQA, "\\boxed{A}", 0.0, 0.0, "multiple_choice"),
     (CODE_IO, SUM, 1.0, 1.0, "code"),
     (CODE_IO, "```python\nprint(5)\n```", 0.0, 0.5, "code"),
-    (CODE_PACKED, SUM, 1.0, 1.0, "code"),
+    (CODE_PACKED, SUM, 1.0, 1.0, "code"),  # Gym's code_gen at 07d6b0d does not read `packed` (its 500)
     (CODE_CALL, TWO_SUM, 1.0, 1.0, "code"),
     (CODE_CALL, "```python\ndef twoSum(nums, target):\n    return [0, 1]\n```", 0.0, 0.5, "code"),
     (IFEVAL, "the sea is wide", 1.0, 1.0, "instructions"),
@@ -101,6 +105,8 @@ def test_gym_rows_are_scored_by_the_matching_family(server):
         assert {k: out[k] for k in sent} == sent  # Gym's answer echoes the request, row fields included
         if verifier == "multiple_choice":  # what Gym's servers add: the answer as read
             assert out["extracted_answer"] == ("B" if reward else "A")
+        if verifier == "math":  # fields Gym's math_with_judge response (LibraryJudgeMathVerifyResponse) requires
+            assert (out["library_reward"], out["judge_evaluations"]) == (reward, None)
         if verifier == "code":
             assert out["extracted_model_code"] == answer.split("```python\n")[1].split("```")[0].strip()
         # The row's task, given as our own task, gets the same verdict: the row was read, not guessed.
@@ -129,6 +135,10 @@ BAD_ROWS = [
     (row("x", verifier_metadata={"unit_tests": {"inputs": ["1"], "outputs": ["2"], "fn_name": "a b"}}), "fn_name"),
     (row("x", verifier_metadata={"unit_tests": {"inputs": ["{"], "outputs": ["2"], "fn_name": "f"}}), "JSON"),
     (row("x", verifier_metadata={}), "unit_tests"),
+    ({**MCQA, "grading_mode": "lenient_answer_colon_md"}, "grading_mode"),
+    ({**MCQA, "template_metadata": {"output_regex": "(["}}, "not a regular expression"),
+    ({**MCQA, "template_metadata": {"output_regex": "(a)(b)"}}, "2 groups"),
+    ({**MCQA, "template_metadata": {"output_regex": 3}}, "output_regex"),
     ({"responses_create_params": {"input": []}, "expected_answer": "2"}, "user message"),
 ]
 
@@ -197,3 +207,102 @@ def test_hostile_row_fields_are_row_errors_or_tasks_never_crashes(field):
             except GymRowError:
                 continue
             assert isinstance(task, TaskSpec)
+
+
+# Bodies NeMo Gym's own mcqa server (NVIDIA-NeMo/Gym 07d6b0d, resources_servers/mcqa, run on loopback)
+# was sent, its tests' answers and grading modes, with the reward it answered; ours must answer the same.
+GYM_OPTIONS = [{"A": "optA"}, {"B": "optB"}, {"C": "optC"}, {"D": "optD"}, {"E": "optE"}]
+GYM_MCQA = [
+    ("The answer is C.", "C", {}, 0.0),  # no grading_mode: strict_single_letter_boxed, Gym's default
+    ("I think the answer is B.\n\nAnswer: B", "B", {"grading_mode": "strict_single_letter_boxed"}, 0.0),
+    ("(B)", "B", {}, 0.0),
+    ("Final: \\boxed{ [C] }", "C", {}, 1.0),
+    ("\\boxed{\nC: optC is the one\n}", "C", {}, 1.0),
+    ("Final: \\boxed{ optC }", "C", {}, 0.0),
+    ("Final: \\boxed{ optC }", "C", {"grading_mode": "lenient_boxed"}, 1.0),
+    ("\\boxed{\\text{E}}", "E", {"grading_mode": "lenient_boxed"}, 1.0),
+    ("\\boxed{B", "B", {}, 0.0),
+    ("Answer: c", "C", {"grading_mode": "lenient_answer_colon"}, 1.0),
+    ("Answer: optC", "C", {"grading_mode": "lenient_answer_colon"}, 1.0),
+    ("Option Selected: B", "B", {"template_metadata": {"output_regex": "Option Selected:\\s*([A-Za-z])"}}, 1.0),
+    ("ANSWER IS b", "B", {"template_metadata": {"output_regex": "ANSWER IS\\s*([A-Za-z])"}}, 1.0),
+    ("Maybe Answer: A? Let me reconsider. Final Answer: B", "B",
+     {"template_metadata": {"output_regex": "Answer:\\s*([A-Za-z])"}}, 1.0),
+    ("Antwort: B", "B", {"template_metadata": {"output_regex": ["Answer\\s*:\\s*([A-Za-z])",
+                                                                 "Antwort\\s*:\\s*([A-Za-z])"]}}, 1.0),
+    ("Answer: \\boxed{{B}}", "B", {"template_metadata": {"output_regex": "Final Choice:\\s*([A-Z])"}}, 1.0),
+]
+
+
+def test_mcqa_rows_are_graded_as_gyms_own_mcqa_server_grades_them(server):
+    """An mcqa row's grading_mode (strict boxed letter unless it says otherwise) and its
+    template_metadata patterns decide where the pick is read, as in Gym's server: an unboxed
+    "The answer is C." is no answer there, so 0 here too."""
+    for text, expected, extra, gym_reward in GYM_MCQA:
+        sent = {"responses_create_params": {"input": [{"role": "user", "content": "Q?"}]},
+                "response": response(message(text)), "options": GYM_OPTIONS, "expected_answer": expected, **extra}
+        answered = post(server.url, "/verify", sent)
+        assert answered.status_code == 200, answered.text
+        assert answered.json()["reward"] == gym_reward, (text, extra, answered.json()["verification"])
+
+
+def test_a_gym_agents_seed_body_seeds_the_rows_task(server):
+    """Gym's simple_agent sends its whole run request (the dataset row, its Responses params dumped
+    with their nulls) to /seed_session, then /verify in that session; we refused it (422) before
+    NeMo Gym's own agent was run against us."""
+    gym_params = {"input": [{"role": "user", "content": "Capital of France? A) Lyon B) Paris", "type": "message"}],
+                  "background": None, "include": None, "instructions": None, "max_output_tokens": 16,
+                  "metadata": None, "model": None, "parallel_tool_calls": True, "tool_choice": "auto",
+                  "tools": [], "temperature": 0.0}
+    seed_body = {"responses_create_params": gym_params, "options": [{"A": "Lyon"}, {"B": "Paris"}],
+                 "expected_answer": "B", "grading_mode": "strict_single_letter_boxed", "uuid": "seed-1"}
+    seeded = post(server.url, "/seed_session", seed_body)
+    assert seeded.status_code == 200, seeded.text
+    session = seeded.json()["session_id"]
+    assert httpx.get(server.url + "/session", headers={"x-rollmarket-session": session}).json()["task_id"] == \
+        "gym-seed-1"
+    # /verify with no row fields and no task: the session's task (from the seed row) scores it.
+    for text, reward in (("\\boxed{B}", 1.0), ("The answer is B.", 0.0)):
+        bare = {"responses_create_params": gym_params, "response": response(message(text))}
+        assert post(server.url, "/verify", bare, session=session).json()["reward"] == reward
+    # A seed with no row fields opens a session with no task; a row that does not fit opens none.
+    assert post(server.url, "/seed_session", {"responses_create_params": gym_params}).status_code == 200
+    before = server.healthz()["sessions"]
+    error = assert_error(post(server.url, "/seed_session", {**seed_body, "expected_answer": "Q"}), 422,
+                         "invalid_request")
+    assert "expected_answer" in error["message"] and server.healthz()["sessions"] == before
+
+
+class _GymLikeResources(BaseHTTPRequestHandler):
+    """Answers as a NeMo Gym resources server does: /seed_session is `{}` (Gym keeps the session in
+    its own cookie), /verify a Gym verify response, not a VerifyResult."""
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        answer = {} if self.path == "/seed_session" else {"responses_create_params": {"input": []}, "reward": 1.0}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_gym_resources_server_behind_our_client_is_a_typed_error():
+    """Our agent server pointed at NeMo Gym's own mcqa server crashed (500, KeyError 'session_id'):
+    the client now says which server answered what, as a ResourcesError (the agent server's 502)."""
+    stub = ThreadingHTTPServer(("127.0.0.1", 0), _GymLikeResources)
+    Thread(target=stub.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{stub.server_address[1]}"
+    try:
+        with pytest.raises(ResourcesError, match="without a session_id") as seeded:
+            ResourcesClient(url).seed_session()
+        assert seeded.value.status is None
+        with pytest.raises(ResourcesError, match="answered no VerifyResult"):
+            ResourcesClient(url).verify(None, "B")
+    finally:
+        stub.shutdown()
+        stub.server_close()

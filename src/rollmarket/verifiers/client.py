@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from ..contracts import (
     AgentTrajectory,
@@ -68,9 +69,24 @@ class ResourcesClient:
     def seed_session(self, task: TaskSpec | None = None) -> str:
         """Open this client's session (for `task`, or an empty one) and return its id."""
         body = {} if task is None else {"task": task.model_dump(mode="json")}
-        answer = self._post("/seed_session", body=body).json()
-        self.session_id, self.tools = answer["session_id"], list(answer["tools"])
+        answer = self._read(self._post("/seed_session", body=body), "/seed_session")
+        session_id, tools = answer.get("session_id"), answer.get("tools")
+        if not isinstance(session_id, str) or not isinstance(tools, list):
+            # NeMo Gym's resources servers answer {} here: they keep the session in their own cookie.
+            raise ResourcesError(f"POST /seed_session: {self.url} answered without a session_id and tools "
+                                 f"({json.dumps(answer)[:200]}): not a rollmarket resources server")
+        self.session_id, self.tools = session_id, [str(tool) for tool in tools]
         return self.session_id
+
+    def _read(self, response: httpx.Response, path: str) -> dict[str, Any]:
+        """The JSON object a 2xx answer holds; a ResourcesError (status None: the server failed) otherwise."""
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise ResourcesError(f"POST {path}: {self.url} answered {response.text[:200]!r}, not a JSON object")
+        return answer
 
     def call_tool(self, name: str, arguments: dict[str, Any] | str, *, call_id: str | None = None) -> ToolResult:
         """Run one tool call in the session. A str is sent as the model wrote it (it may not be JSON)."""
@@ -86,12 +102,19 @@ class ResourcesClient:
             body["task"] = task.model_dump(mode="json")
         if tool_calls is not None:
             body["tool_calls"] = [call.model_dump(mode="json") for call in tool_calls]
-        return VerifyResult.model_validate_json(self._post("/verify", body=body).content)
+        return self._verdict(self._post("/verify", body=body))
+
+    def _verdict(self, response: httpx.Response) -> VerifyResult:
+        try:
+            return VerifyResult.model_validate(self._read(response, "/verify"))
+        except ValidationError as exc:
+            raise ResourcesError(f"POST /verify: {self.url} answered no VerifyResult ({exc.errors()[0]['msg']} at "
+                                 f"{'.'.join(str(p) for p in exc.errors()[0]['loc'])})") from None
 
     def verify_trajectory(self, task: TaskSpec, trajectory: AgentTrajectory) -> VerifyResult:
         """Score a whole agent run (its final answer and its own tool calls)."""
         body = {"task": task.model_dump(mode="json"), "trajectory": trajectory.model_dump(mode="json")}
-        return VerifyResult.model_validate_json(self._post("/verify", body=body).content)
+        return self._verdict(self._post("/verify", body=body))
 
     def close(self) -> None:
         """Close the session on the server (deleting its workspace), then the connection."""

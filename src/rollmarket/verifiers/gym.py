@@ -42,6 +42,10 @@ class GymVerifyRequest(Record):
     # the schema, so that a row that does not fit gets the row reader's message, naming the field).
     expected_answer: Any = Field(default=None, description="math and mcqa rows: the expected answer (mcqa: a letter).")
     options: Any = Field(default=None, description='mcqa rows: [{"A": text}, {"B": text}, ...].')
+    grading_mode: Any = Field(default=None, description="mcqa rows: strict_single_letter_boxed (Gym's default), "
+                              "lenient_boxed or lenient_answer_colon.")
+    template_metadata: Any = Field(default=None, description="mcqa rows: {output_regex: a regex or a list}, "
+                                   "read before the grading mode.")
     verifier_metadata: Any = Field(default=None, description="code_gen rows: {unit_tests: {inputs, outputs, "
                                    "fn_name}} or {unit_tests: {packed, fn_name}}.")
     instruction_id_list: Any = Field(default=None, description="instruction_following rows: IFEval instruction ids.")

@@ -7,7 +7,8 @@ A Gym resources server gets its dataset's own fields beside `responses_create_pa
 dataset            the row's fields (Gym's server)                             our task
 =================  ==========================================================  ===================
 ``math``           ``expected_answer`` (math_with_judge; ``question`` kept)    ``math``, answer
-``mcqa``           ``options`` [{"A": text}, ...] + ``expected_answer`` (mcqa)  ``multiple_choice``
+``mcqa``           ``options`` [{"A": text}, ...] + ``expected_answer``        ``multiple_choice``
+                   (+ ``grading_mode``, ``template_metadata``; mcqa)          (``read``, ``patterns``)
 ``code``           ``verifier_metadata.unit_tests`` {inputs, outputs,          ``code`` (io cases, or
                    fn_name}, or its ``packed`` form (code_gen)                 asserts on fn_name)
 ``instructions``   ``instruction_id_list`` + ``kwargs`` (instruction_following)  ``instructions``
@@ -164,7 +165,21 @@ def _mcqa(row: dict[str, Any]) -> tuple[str, Any, dict[str, Any]]:
     expected = _string(row, "expected_answer").upper()
     if len(expected) != 1 or not "A" <= expected < chr(ord("A") + len(texts)):
         raise GymRowError(f"expected_answer: {expected!r} is not the letter of an option")
-    return "multiple_choice", expected, {"options": texts}
+    mode = row.get("grading_mode", _MCQA_DEFAULT_MODE)
+    if mode not in _MCQA_READING:
+        raise GymRowError(f"grading_mode: {mode!r} is not one of mcqa's ({', '.join(_MCQA_READING)})")
+    template = row.get("template_metadata")
+    patterns = template.get("output_regex", []) if isinstance(template, dict) else []
+    patterns = [patterns] if isinstance(patterns, str) else patterns
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise GymRowError("template_metadata.output_regex: must be a regular expression or a list of them")
+    return "multiple_choice", expected, {"options": texts, "read": _MCQA_READING[mode], "patterns": patterns}
+
+
+# mcqa's grading modes (a row's `grading_mode`, strict by default) and the multiple_choice reading that
+# grades the same way; Gym's server reads an unboxed "Answer: B" as no answer unless the row says so.
+_MCQA_DEFAULT_MODE = "strict_single_letter_boxed"
+_MCQA_READING = {_MCQA_DEFAULT_MODE: "boxed_letter", "lenient_boxed": "boxed", "lenient_answer_colon": "answer_colon"}
 
 
 def _unit_tests(row: dict[str, Any]) -> dict[str, Any]:
@@ -293,9 +308,14 @@ def gym_reward(task: TaskSpec, verdict: VerifyResult) -> float:
 
 def gym_extracted(task: TaskSpec, verdict: VerifyResult, answer: str | None) -> dict[str, Any]:
     """The fields Gym's servers add for what they read from the answer (their metrics group samples by
-    them): `extracted_answer` for math and mcqa rows, `extracted_model_code` for code rows."""
+    them): `extracted_answer` for math and mcqa rows, `extracted_model_code` for code rows. Math rows
+    also get the two fields math_with_judge's response requires: `library_reward` (the checker's
+    reward, before any judge: ours has none) and `judge_evaluations` (null: no judge was asked)."""
     dataset = task.metadata.get("gym_dataset")
-    if dataset in (GymDataset.math.value, GymDataset.mcqa.value):
+    if dataset == GymDataset.math.value:
+        return {"extracted_answer": verdict.info.get("canonical"), "library_reward": verdict.reward,
+                "judge_evaluations": None}
+    if dataset == GymDataset.mcqa.value:
         return {"extracted_answer": verdict.info.get("canonical")}
     if dataset == GymDataset.code.value:
         return {"extracted_model_code": extract_code(answer or "") or None}

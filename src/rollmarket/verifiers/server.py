@@ -3,7 +3,7 @@
     GET  /healthz          liveness, version, open sessions
     GET  /tools            the OpenAI function schemas of every tool
     GET  /session          the caller's session: its task, tools and how many calls it recorded
-    POST /seed_session     {"task": TaskSpec} or {} -> {"session_id", "tools"}; sets the cookie
+    POST /seed_session     {"task": TaskSpec}, {} or a NeMo Gym run request -> {"session_id", "tools"}; sets the cookie
     POST /close_session    closes the caller's session and deletes its workspace
     POST /verify           {"task", "answer", "tool_calls"} or {"task", "trajectory"} -> VerifyResult;
                            NeMo Gym's {"responses_create_params", "response"} -> {..., "reward"}
@@ -268,8 +268,9 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
               openapi_extra=json_body(SeedRequest, required=False))
     async def seed_session(request: Request) -> Response:
         """Open a session for a task: a private copy of its files, its own tool state and call record."""
-        seed = _validate(SeedRequest, _json(await _body(request, settings.max_body_bytes)))
-        task = seed.task
+        payload = _json(await _body(request, settings.max_body_bytes))
+        task = seed_gym(payload) if isinstance(payload, dict) and "responses_create_params" in payload \
+            else _validate(SeedRequest, payload).task
         if task is not None:
             unknown = [name for name in task.tools if name not in tool_impls]
             if unknown:
@@ -329,6 +330,19 @@ def create_resources_app(settings: ResourcesSettings | None = None) -> FastAPI:
         except VerifierConfigError as exc:
             raise Fault(ErrorCode.invalid_request, str(exc)) from None
         return JSONResponse(verdict.model_dump(mode="json"), headers={"x-rollmarket-tool-calls": source})
+
+    def seed_gym(payload: dict[str, Any]) -> TaskSpec | None:
+        """The task of a NeMo Gym seed body: Gym's agents send the whole run request (a dataset row) to
+        /seed_session. Its `task`, else its row's fields; a row with neither opens a session with no task."""
+        if payload.get("task") is not None:
+            return _validate(SeedRequest, {"task": payload["task"]}).task
+        if not has_row_fields(payload):
+            return None
+        try:
+            return task_from_row(payload, settings.gym_dataset)
+        except GymRowError as exc:
+            raise Fault(ErrorCode.invalid_request, str(exc), {"shape": "nemo_gym",
+                                                              "gym_dataset": settings.gym_dataset}) from None
 
     async def verify_gym(request: Request, payload: dict[str, Any]) -> Response:
         try:

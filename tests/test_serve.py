@@ -697,6 +697,21 @@ def test_bad_input_is_a_400_in_openai_shape(moe):
     assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
 
 
+def test_a_body_without_model_is_served_by_the_one_model(moe):
+    """vLLM's rule, which NeMo Gym's agents rely on (they send no `model`): an absent model is the
+    one served, and the answer names it; a wrong name is still a 404."""
+    body = {"messages": PROMPT, "max_tokens": 3, "ignore_eos": True, "seed": 3}
+    r = httpx.post(moe.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == moe.name and r.json()["usage"]["completion_tokens"] == 3
+    named = httpx.post(moe.url + "/v1/chat/completions", json={**body, "model": moe.name}, timeout=60).json()
+    assert [c["message"]["content"] for c in named["choices"]] == [c["message"]["content"] for c in r.json()["choices"]]
+    r = httpx.post(moe.url + "/v1/responses", json={"input": "hello", "max_output_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == moe.name
+    assert httpx.post(moe.url + "/v1/chat/completions", json={**body, "model": "other"}, timeout=60).status_code == 404
+
+
 # ---- batching --------------------------------------------------------------------------------
 
 def test_concurrent_requests_are_batched(moe):

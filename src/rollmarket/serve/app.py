@@ -98,8 +98,8 @@ class ModelServer:
 
     # ---- request → engine work -------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model != self.name:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404,
                               type_="NotFoundError", param="model", code="model_not_found")
 

@@ -43,7 +43,9 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(max_length=1024)
+    model: str | None = Field(
+        None, max_length=1024,
+        description="The served model's name; absent: the one model served (as vLLM; NeMo Gym's agents send none).")
     n: int = Field(1, ge=1, le=64)
     temperature: float = Field(1.0, ge=0, le=10)
     top_p: float = Field(1.0, gt=0, le=1)

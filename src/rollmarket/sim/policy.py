@@ -39,6 +39,8 @@ class ModelPolicy:
         self._engine = None
         self._uri: str | None = None
         self.load(str(self.model))
+        if scores:  # torch's first forward pass is its slowest: taken now, not under a lease
+            self.logprobs(np.ones(1, np.int32), np.ones(1, np.int32))
 
     def load(self, uri: str) -> None:
         """Run the checkpoint at `uri` from now on."""

@@ -26,7 +26,7 @@ from ..client import (
     WorkerClient,
 )
 from ..contracts import FailureKind, NoLeaseReason, WorkerManifest
-from ..worker.heartbeat import Heartbeater
+from ..worker.heartbeat import Heartbeater, run_renewing
 from . import synthetic
 from .policy import ModelPolicy
 from .profiles import SCORING, Profile, plan, reload_digest
@@ -115,8 +115,10 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
         beats.active_leases.add(lease_id)
         log("leased", lease_id=lease_id, job_id=grant.lease.job_id, version=grant.lease.policy_version)
         digests[grant.policy.policy_version] = grant.policy.checkpoint_digest
-        decision = plan(profile, client, grant, rng, policy_model, leases_seen=leases_seen,
-                        lease_ttl_s=lease_ttl_s, digests=digests)
+        # Teacher forcing the group takes seconds on a busy machine: the lease is renewed meanwhile.
+        decision = run_renewing(client, lease_id, lease_ttl_s, lambda: plan(
+            profile, client, grant, rng, policy_model, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s,
+            digests=digests))
         if decision.crash:
             log("crashing", lease_id=lease_id)
             os._exit(3)  # dies holding the lease: no fail report, no more heartbeats

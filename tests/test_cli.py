@@ -212,6 +212,8 @@ def test_services_that_need_no_model_run_without_torch_mapped(tmp_path, service)
     (["train", "loop.steps=many"], 2, ["loop.steps", "many", "integer"]),
     (["train", "{tmp}/missing.toml"], 2, ["missing.toml", "No such file", "configs/train-lookup.toml"]),
     (["train", "--resume", "{tmp}", "--local"], 2, ["not a training run directory"]),
+    (["train", "--resume", "{tmp}", "--run-dir", "{tmp}"], 2, ["--run-dir", "--resume"]),
+    (["train", "--run-dir", "{tmp}/no-such-dir", "exchange.url='http://127.0.0.1:9'"], 2, ["no-such-dir", "does not exist"]),
     (["worker", "--model", "models/tiny-moe", "--signing-key", "{tmp}/no.key"], 1, ["no.key", "No such file"]),
     (["worker", "--model", "models/tiny-moe", "--signing-key", "README.md"], 1,
      ["README.md", "open to other users", "chmod 600 README.md"]),

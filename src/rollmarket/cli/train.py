@@ -70,6 +70,8 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
         for k in keys:
             click.echo(f"{k.key:<{width}}  {k.type} = {k.default}  {k.help}".rstrip())
         return
+    if run_dir is not None and resume is not None:
+        raise click.UsageError("--run-dir names a new run's directory; --resume goes on in the old one's")
     from ..train.loop import Trainer, resume_config
 
     if config is not None and "=" in str(config) and not config.exists():
@@ -95,8 +97,6 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
             console.print(f"evaluating on {cfg.eval.tasks} held-out {cfg.rollout.suite} tasks (step {data['step']})…",
                           highlight=False)
 
-    if run_dir is not None and resume is not None:
-        raise click.UsageError("--run-dir names a new run's directory; --resume goes on in the old one's")
     trainer = Trainer(cfg, local=local, resume=resume, on_step=lambda row: console.print(step_line(row), highlight=False),
                       on_event=on_event, run_dir=run_dir)
     with console.status("training…", spinner="dots"):

@@ -1,10 +1,13 @@
-"""The main job: `rollmarket demo` runs real processes and every path fires.
+"""The fault-path demo: `rollmarket demo paths` runs real processes, `rollmarket train` among them, and
+every path fires.
 
 The paths are recounted from the run's audit log, not taken from the demo's own summary."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -25,7 +28,7 @@ def test_demo_fires_every_path_and_writes_its_run_directory(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     [run_dir] = list(tmp_path.iterdir())
-    for name in ("config.json", "summary.json", "metrics.jsonl", "audit.jsonl", "exchange.db"):
+    for name in ("demo.json", "config.json", "summary.json", "metrics.jsonl", "audit.jsonl", "exchange.db"):
         assert (run_dir / name).exists(), name
     assert any((run_dir / "logs").iterdir()) and any((run_dir / "workers").iterdir())
 
@@ -83,10 +86,27 @@ def test_demo_fires_every_path_and_writes_its_run_directory(tmp_path):
     metrics_doc = (ROOT / "docs/metrics.md").read_text()
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines, "no trainer steps recorded"
+    patterns = re.findall(r"`([^`\s]+\*)`", metrics_doc)  # e.g. `rollout_corr/rollout_is_*`
+
     def documented(key: str) -> bool:
         parts = key.split("/")
         generic = "/".join(parts[:1] + ["<precision>"] + parts[2:]) if len(parts) == 3 else key
-        return f"`{key}`" in metrics_doc or f"`{generic}`" in metrics_doc
+        return (f"`{key}`" in metrics_doc or f"`{generic}`" in metrics_doc
+                or any(fnmatch.fnmatchcase(key, p) for p in patterns))
 
     undocumented = {key for line in lines for key in line if not documented(key)}
     assert not undocumented, f"metrics.jsonl keys missing from docs/metrics.md: {undocumented}"
+
+    # The trainer was `rollmarket train` (train/loop.py): its config and checkpoints (with the optimizer
+    # state and step counters) are in the run directory, and every decision a written step counts
+    # reached the exchange under the trainer's id (the step it was stopped in may have reported its
+    # decisions before writing its row, never the other way round).
+    trainer = json.loads((run_dir / "config.json").read_text())["config"]
+    assert trainer["loop"]["mode"] == "async" and trainer["model"]["path"].endswith("tiny-moe")
+    assert any((c / "trainer" / "state.json").exists() for c in (run_dir / "checkpoints").iterdir())
+    trainer_id = json.loads((run_dir / "start.json").read_text())["trainer_id"]
+    by_trainer = sum(1 for e in events if e["kind"] == "group.decided" and e["actor"] == trainer_id)
+    counted = sum(line["num_groups"] for line in lines)
+    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
+    assert counted <= by_trainer <= counted + trainer["rollout"]["groups_per_step"]
+    assert by_trainer == sum(decided.values()), "only the trainer decides groups"

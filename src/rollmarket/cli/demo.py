@@ -88,16 +88,15 @@ def demo(ctx: click.Context, runs_dir: Path, model: str, steps: int, groups: int
 @click.option("--seed", default=0, show_default=True, help="Seed of the simulated workers.")
 @click.option("--simulate/--no-simulate", default=True, show_default=True,
               help="Run the simulated faulty and honest profiles beside the real workers.")
-@click.option("--model", default="models/tiny-moe", show_default=True, type=ModelDir(none_word="none"),
-              help="Model the policy is: real workers sample it and the trainer teacher-forces their "
-                   "groups at fp32. 'none' for the synthetic model alone (no real workers).")
+@click.option("--model", default="models/tiny-moe", show_default=True, type=ModelDir(),
+              help="Model `rollmarket train` trains: real workers sample it, simulated ones score with it.")
 @click.option("--precisions", default="fp32,bf16,fp8", show_default=True,
               help="Precision profiles of the real workers, one worker each.")
 @click.option("--suite", default="arithmetic", show_default=True, help="Task suite of the real workers' jobs.")
 def demo_paths(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed: int, simulate: bool,
-               model: str | None, precisions: str, suite: str) -> None:
+               model: str, precisions: str, suite: str) -> None:
     """The exchange's fault paths: real agent workers on the tiny MoE at several precisions, faulty
-    and honest simulated workers and a simulated trainer, as real processes, until every path
+    and honest simulated workers and `rollmarket train`, as real processes, until every path
     (train, correction, replay, quarantine, reject, lease expiry, abandonment, quorum) fired."""
     from ..tasks.suites import check_suite
 
@@ -108,8 +107,8 @@ def demo_paths(runs_dir: Path, steps: int, min_steps: int, timeout: float, seed:
     config = DemoConfig(steps=steps, min_steps=min_steps, timeout_s=timeout, seed=seed,
                         model=model, real_workers=real, suite=suite)
     if not simulate:
-        if not config.model or not real:
-            raise click.UsageError("--no-simulate needs real workers (a --model and --precisions)")
+        if not real:
+            raise click.UsageError("--no-simulate needs real workers (--precisions)")
         config.workers = []  # the fault paths come from the simulated profiles: none to wait for
     summary = run_demo(config, runs_dir=runs_dir, console=console)
     sys.exit(0 if summary["ok"] else 1)

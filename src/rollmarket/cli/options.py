@@ -73,16 +73,12 @@ MODEL_DIR_FIX = "pass a Hugging Face model directory such as models/tiny-moe (ru
 
 
 class ModelDir(click.ParamType):
-    """A Hugging Face model directory (one with config.json), checked before anything loads.
-    With `none_word`, that word (any case) passes as None."""
+    """A Hugging Face model directory (one with config.json), checked before anything loads."""
 
     name = "directory"
 
-    def __init__(self, none_word: str | None = None):
-        self.none_word = none_word
-
     def convert(self, value, param, ctx):
-        if value is None or (self.none_word and str(value).lower() == self.none_word):
+        if value is None:
             return None
         path = Path(value)
         if not path.is_dir():

@@ -47,10 +47,12 @@ def accuracy_line(summary: dict) -> str | None:
                                             "process (quick experiments; no other process needed).")
 @click.option("--resume", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
               help="Continue a run from its newest checkpoint (its saved config; OVERRIDES still apply).")
+@click.option("--run-dir", type=click.Path(path_type=Path, file_okay=False, exists=True), default=None,
+              help="Write the run into this existing directory instead of a new one under runs_root (a demo's).")
 @click.option("--print-config", is_flag=True, help="Print the resolved config as JSON and exit.")
 @click.option("--list-keys", is_flag=True, help="Print every config key with its type, default and help, and exit.")
 def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, resume: Path | None,
-                  print_config: bool, list_keys: bool) -> None:
+                  run_dir: Path | None, print_config: bool, list_keys: bool) -> None:
     """Train a policy through the exchange (GRPO family): CONFIG.toml plus KEY=VALUE overrides.
 
     \b
@@ -68,6 +70,8 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
         for k in keys:
             click.echo(f"{k.key:<{width}}  {k.type} = {k.default}  {k.help}".rstrip())
         return
+    if run_dir is not None and resume is not None:
+        raise click.UsageError("--run-dir names a new run's directory; --resume goes on in the old one's")
     from ..train.loop import Trainer, resume_config
 
     if config is not None and "=" in str(config) and not config.exists():
@@ -94,7 +98,7 @@ def train_command(config: Path | None, overrides: tuple[str, ...], local: bool, 
                           highlight=False)
 
     trainer = Trainer(cfg, local=local, resume=resume, on_step=lambda row: console.print(step_line(row), highlight=False),
-                      on_event=on_event)
+                      on_event=on_event, run_dir=run_dir)
     with console.status("training…", spinner="dots"):
         run_dir = trainer.run()
     summary = json.loads((run_dir / "summary.json").read_text())

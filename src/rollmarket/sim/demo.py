@@ -1,27 +1,32 @@
-"""`rollmarket demo`: the exchange, real and simulated workers and a trainer, as real processes.
+"""`rollmarket demo paths`: the exchange, real and simulated workers and the real trainer, as real processes.
 
 The orchestrator starts `rollmarket exchange serve` on a free loopback port with its database in
 the run directory; real workers (`rollmarket worker` on the shipped tiny MoE model at several
 precision profiles, running the agent on a task suite with tools and verifiers); one process per
-simulated worker profile (honest and faulty); and the simulated trainer, which publishes a real
-checkpoint per version, teacher-forces the real workers' groups and lets the gate decide. It
-follows the audit log until every path has fired and every real worker has delivered; stops
-everything; and writes the run directory:
+simulated worker profile (honest and faulty, all offering fp16: sim/worker.py); and `rollmarket
+train` itself (train/loop.py, async) on the same model, whose jobs go round robin over the real
+workers' precisions and the simulated workers' fp16. The trainer teacher-forces every group it
+fetches, its gate decides, it trains and publishes each version's checkpoint; the simulated workers
+load the checkpoints they ack and take their logprobs from them (sim/policy.py), then spoil them
+as their profile says. Before the trainer's jobs, the demo enqueues one task on every real
+precision with the same seed, so that the observatory compares the precisions' runs of it. The
+demo follows the audit log until every path has fired, every real worker has delivered and the
+trainer has made `min_steps` steps; stops everything; and writes the run directory:
 
     runs/<UTC timestamp>-<id>/
-        config.json      demo and exchange settings, code version
+        demo.json        demo and exchange settings, code version
+        config.json      the trainer's resolved settings (`rollmarket train`'s run directory)
         summary.json     paths fired, per-worker outcomes, decisions, rejections
-        metrics.jsonl    one line per trainer step
+        metrics.jsonl    one line per trainer step (and generations.jsonl, token_logprobs.jsonl)
         audit.jsonl      the exchange's audit log
         exchange.db      the exchange's SQLite database
         workers/*.jsonl  what each worker saw (real workers: also *.rollouts.jsonl, every agent run)
-        checkpoints/     the last few policy versions' checkpoints
+        checkpoints/     the trainer's newest checkpoints
         logs/*.log       process output
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -38,9 +43,11 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..client import ExchangeError, TrainerClient
+from ..contracts import RolloutJob, SamplingConfig
 from ..localhost import free_port, wait_healthy
-from ..runs import code_version, new_run_dir, write_json
+from ..runs import code_version, new_run_dir, read_step_rows, write_json
 from .profiles import DESCRIPTIONS, Profile
+from .worker import PRECISION as SIM_PRECISION
 
 PATHS = {
     "train": "a group the gate passed as on-policy",
@@ -72,24 +79,33 @@ class DemoConfig:
     min_steps: int = 6
     timeout_s: float = 240.0
     seed: int = 0
-    jobs_per_step: int = 8
+    sim_jobs_per_step: int = 6
+    """Jobs per trainer step for the simulated workers (fp16); each real precision gets one."""
     group_size: int = 4
-    step_seconds: float = 1.5
+    lr: float = 1e-7
+    """The trainer's learning rate: small enough that the weights' drift over a few versions stays
+    below the precision mismatch the engines table compares (bf16 and fp8 move a token's logprob by
+    about 1e-4 nat on the tiny MoE); the demo is about the paths, `rollmarket demo` about learning."""
+    clamp: float = 0.1
+    """The gate's clamp in nats, as `rollmarket demo`'s: the default 20 never fires on a tiny model."""
+    max_clipped_fraction: float = 0.065
+    max_policy_lag: int = 4
     lease_ttl_s: float = 6.0
     heartbeat_ttl_s: float = 2.5
     reaper_interval_s: float = 0.25
     preference_hold_s: float = 0.5
-    max_attempts: int = 8
-    model: str | None = "models/tiny-moe"
-    """The real model the policy is; real workers sample it and the trainer teacher-forces their
-    groups. None runs the synthetic model alone (and no real workers)."""
+    max_attempts: int = 32
+    """Leases of one job before it fails for good: the faulty profiles refuse or lose many, and every job
+    the trainer enqueued is one its step waits for."""
+    model: str = "models/tiny-moe"
+    """The model `rollmarket train` trains; real workers sample it, simulated ones score with it."""
     workers: list = field(default_factory=lambda: [list(w) for w in DEFAULT_WORKERS])
     real_workers: list = field(default_factory=lambda: [list(w) for w in DEFAULT_REAL_WORKERS])
     """[worker id, precision profile] of each real worker."""
     suite: str = "arithmetic"
     """Task suite (train split) of the real workers' jobs."""
-    real_jobs_per_step: int = 2
-    """Agent jobs per trainer step for each real precision."""
+    observe_tasks: int = 1
+    """Tasks the demo enqueues once on every real precision, same seed, for the observatory to compare."""
     agent_max_steps: int = 4
     observe_trainers: list = field(default_factory=lambda: ["fp32", "bf16"])
     """Trainer engines the observatory teacher-forces the real workers' runs on at the end."""
@@ -197,54 +213,80 @@ class _AuditFollower:
         }
 
 
-def _trainer_lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def trainer_overrides(config: DemoConfig, model: Path, url: str) -> list[str]:
+    """The `rollmarket train` settings of the demo's trainer: async (it takes groups of any version and
+    its gate sorts them by lag: one version old already goes to replay, past `max_policy_lag` to
+    quarantine), the real precisions and the simulated workers' fp16 round robin over
+    a step's jobs, no evaluation and no trackers (the demo is about the paths)."""
+    precisions = [p for _, p in config.real_workers] + [SIM_PRECISION] * (config.sim_jobs_per_step if config.workers else 0)
+    return [
+        f"model.path='{model}'", f"rollout.suite='{config.suite}'", f"rollout.precisions={precisions!r}",
+        f"rollout.groups_per_step={len(precisions)}", f"rollout.group_size={config.group_size}",
+        f"agent.max_turns={config.agent_max_steps}", f"optim.lr={config.lr}", f"loop.steps={config.steps}",
+        "loop.mode='async'", "loop.max_staleness=0", f"loop.fetch_timeout_s={config.timeout_s}", f"loop.quorum_timeout_s={config.timeout_s}",
+        f"gate.clamp={config.clamp}", f"gate.max_clipped_fraction={config.max_clipped_fraction}",
+        f"gate.max_policy_lag={config.max_policy_lag}", "eval.tasks=0", "logging.trackers=[]",
+        f"exchange.url='{url}'", "exchange.wait_s=60"]
+
+
+def observatory_jobs(config: DemoConfig) -> list[RolloutJob]:
+    """`observe_tasks` suite tasks on every real precision, with the same seed: the observatory compares
+    the precisions' runs of the same task (its divergence report)."""
+    from ..engines.precision import Precision
+    from ..tasks.suites import load_suite
+
+    tasks = load_suite(config.suite, "train")[:config.observe_tasks]
+    return [RolloutJob(
+        job_id=f"observe-{task.task_id}-{precision}", idempotency_key=f"observe-{task.task_id}-{precision}",
+        task=task, policy_version=0, group_size=config.group_size,
+        sampling_config=SamplingConfig(temperature=1.0, max_tokens=96, seed=1000 + i),
+        required_precision=precision, required_quantization=Precision(precision).quantization,
+        max_context_tokens=2048) for i, task in enumerate(tasks) for _, precision in config.real_workers]
 
 
 def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Console | None = None) -> dict:
     """Run the demo and return its summary (also written to summary.json)."""
     console = console or Console()
-    env = {}
-    if config.model:
-        model = Path(config.model)
-        if not (model / "config.json").exists():
-            raise FileNotFoundError(f"demo model {model} not found (run from the repository root, "
-                                    "or pass --model PATH / --no-model)")
-        env["ROLLMARKET_DEMO_MODEL"] = str(model.resolve())
-    else:
-        config.real_workers = []
+    model = Path(config.model).resolve()
+    if not (model / "config.json").exists():
+        raise FileNotFoundError(f"demo model {config.model} not found (run from the repository root, or pass --model PATH)")
     run_dir = new_run_dir(runs_dir)
     (run_dir / "workers").mkdir()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     token = secrets.token_urlsafe(24)
+    # The trainer's gate judges every group: the exchange's arrival triage (by lag alone) must tier none
+    # away from it, so its lag thresholds sit past any lag of the run (train/cluster.py, arrival_gate).
+    no_triage = str(config.steps + 1)
     exchange_args = [
         "--db", str(run_dir / "exchange.db"), "--port", str(port),
         "--lease-ttl-s", str(config.lease_ttl_s), "--heartbeat-ttl-s", str(config.heartbeat_ttl_s),
         "--reaper-interval-s", str(config.reaper_interval_s),
         "--preference-hold-s", str(config.preference_hold_s), "--max-attempts", str(config.max_attempts),
-        "--log-level", "warning",
+        "--gate-replay-lag", no_triage, "--gate-max-policy-lag", no_triage, "--log-level", "warning",
     ]
-    write_json(run_dir / "config.json", {
-        "demo": asdict(config), "exchange_args": exchange_args, "url": url, "code": code_version(),
-        "profiles": {p.value: DESCRIPTIONS[p] for p in Profile},
+    overrides = trainer_overrides(config, model, url)
+    write_json(run_dir / "demo.json", {
+        "demo": asdict(config), "exchange_args": exchange_args, "trainer_overrides": overrides, "url": url,
+        "code": code_version(), "profiles": {p.value: DESCRIPTIONS[p] for p in Profile},
     })
-    console.print(f"[bold]rollmarket demo[/] → {run_dir}")
-    procs = ChildProcesses({"ROLLMARKET_TRAINER_TOKEN": token, **env})
+    console.print(f"[bold]rollmarket demo paths[/] → {run_dir}")
+    procs = ChildProcesses({"ROLLMARKET_TRAINER_TOKEN": token})
     started = time.monotonic()
     follower = None
     metrics_path = run_dir / "metrics.jsonl"
-    stop_file = run_dir / "STOP"
+    trainer_exit = None
     try:
         exchange = procs.start("exchange", [sys.executable, "-m", "rollmarket", "exchange", "serve",
                                             *exchange_args], run_dir / "logs" / "exchange.log")
         wait_healthy(url, exchange, log=run_dir / "logs" / "exchange.log")
         console.print(f"exchange up on {url} (docs at {url}/docs)")
+        observer = TrainerClient(url, token, trainer_id="demo-observer")
+        if config.real_workers and config.observe_tasks:
+            observer.enqueue(observatory_jobs(config))
         for worker_id, precision in config.real_workers:
             procs.start(worker_id, [
-                sys.executable, "-m", "rollmarket", "worker", "--model", str(Path(config.model).resolve()),
+                sys.executable, "-m", "rollmarket", "worker", "--model", str(model),
                 "--precision", precision, "--threads", "1", "--exchange", url, "--worker-id", worker_id,
                 "--heartbeat-s", str(config.heartbeat_ttl_s / 5), "--lease-wait-s", "1",
                 "--max-steps", str(config.agent_max_steps),
@@ -254,25 +296,25 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
         for index, (worker_id, profile, price) in enumerate(config.workers):
             procs.start(worker_id, [
                 sys.executable, "-m", "rollmarket.sim.worker", "--url", url, "--profile", Profile(profile).value,
-                "--worker-id", worker_id, "--seed", str(config.seed * 100 + index),
+                "--worker-id", worker_id, "--seed", str(config.seed * 100 + index), "--model", str(model),
                 "--events", str(run_dir / "workers" / f"{worker_id}.jsonl"),
                 "--lease-ttl-s", str(config.lease_ttl_s), "--heartbeat-s", str(config.heartbeat_ttl_s / 5),
                 "--price", str(price),
             ], run_dir / "logs" / f"worker-{worker_id}.log")
-        procs.start("trainer", [
-            sys.executable, "-m", "rollmarket.sim.trainer", "--url", url,
-            "--steps", str(config.steps), "--jobs-per-step", str(config.jobs_per_step),
-            "--group-size", str(config.group_size), "--metrics", str(metrics_path),
-            "--stop-file", str(stop_file), "--step-seconds", str(config.step_seconds),
-            "--checkpoints", str(run_dir / "checkpoints"), "--suite", config.suite,
-            "--real-precisions", ",".join(p for _, p in config.real_workers),
-            "--real-jobs", str(config.real_jobs_per_step),
-        ], run_dir / "logs" / "trainer.log")
+        # The trainer starts once every worker has registered (the scoring ones load torch first): its
+        # first jobs would otherwise go only to the quick starters, the faulty workers, and bounce.
+        expected = {w[0] for w in config.real_workers} | {w[0] for w in config.workers}
+        while not expected <= {w.worker_id for w in observer.pool().workers}:
+            if time.monotonic() - started > config.timeout_s:
+                raise TimeoutError(f"workers did not register in {config.timeout_s:.0f}s (logs in {run_dir / 'logs'})")
+            time.sleep(0.5)
+        trainer_proc = procs.start("trainer", [sys.executable, "-m", "rollmarket", "train", *overrides,
+                                               "--run-dir", str(run_dir)], run_dir / "logs" / "trainer.log")
         console.print(f"started {len(config.real_workers)} real workers "
                       f"({', '.join(w[0] for w in config.real_workers) or 'none'}), "
-                      f"{len(config.workers)} simulated ({', '.join(w[0] for w in config.workers)}) and a trainer")
-        trainer = TrainerClient(url, token, trainer_id="demo-observer")
-        follower = _AuditFollower(trainer, run_dir / "audit.jsonl")
+                      f"{len(config.workers)} simulated ({', '.join(w[0] for w in config.workers) or 'none'}) "
+                      f"and `rollmarket train` (async, {config.steps} steps at most)")
+        follower = _AuditFollower(observer, run_dir / "audit.jsonl")
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                       TimeElapsedColumn(), console=console, transient=False) as progress:
             steps_task = progress.add_task("trainer steps", total=config.steps, info="")
@@ -280,32 +322,31 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
             real_task = progress.add_task("real workers delivered", total=len(config.real_workers), info="")
             while True:
                 follower.poll()
-                lines = _trainer_lines(metrics_path)
+                lines = read_step_rows(metrics_path)[0]
                 fired = follower.paths()
-                # A real worker counts once the trainer has judged one of its groups (accepted is not
-                # enough: a stale group waits in the replay tier until the trainer asks for it).
+                # A real worker counts once the trainer has judged one of its groups.
                 waiting = [w for w, _ in config.real_workers
                            if not any(k.startswith("decision:") for k in follower.per_worker[w])]
                 progress.update(real_task, completed=len(config.real_workers) - len(waiting),
                                 info=("waiting for " + ", ".join(waiting)) if waiting else "all delivered")
                 missing = [name for name, count in fired.items() if not count and config.workers] + waiting
                 progress.update(steps_task, completed=len(lines),
-                                info=f"policy v{lines[-1]['next_version'] if lines else 0}")
+                                info=f"policy v{lines[-1]['policy_version'] + 1 if lines else 0}")
                 progress.update(paths_task, completed=sum(1 for count in fired.values() if count),
                                 info=("waiting for " + ", ".join(n for n, c in fired.items() if not c))
                                 if not all(fired.values()) else "all fired")
-                if not missing and len(lines) >= config.min_steps and not stop_file.exists():
-                    stop_file.touch()
-                if procs.procs["trainer"].poll() is not None:
+                if trainer_proc.poll() is not None:
+                    trainer_exit = trainer_proc.returncode
+                    break
+                if not missing and len(lines) >= config.min_steps:
                     break
                 if time.monotonic() - started > config.timeout_s:
                     console.print("[yellow]timeout: stopping[/]")
-                    stop_file.touch()
-                    procs.stop(["trainer"])
                     break
                 time.sleep(0.5)
+        procs.stop(["trainer"])  # a kill mid-step is one the trainer's resume is built for
         follower.poll()
-        pool = trainer.pool()
+        pool = observer.pool()
     finally:
         procs.stop([name for name in procs.procs if name != "exchange"])
         if follower is not None:
@@ -314,8 +355,8 @@ def run_demo(config: DemoConfig, *, runs_dir: Path = Path("runs"), console: Cons
             except ExchangeError:
                 pass
         procs.close()
-    stop_file.unlink(missing_ok=True)
-    summary = _summarize(config, follower, pool, _trainer_lines(metrics_path), time.monotonic() - started, run_dir)
+    summary = _summarize(config, follower, pool, read_step_rows(metrics_path)[0], time.monotonic() - started, run_dir)
+    summary["trainer_exit"] = trainer_exit
     if config.real_workers:
         summary["observatory"] = _observe(config, run_dir, console)
     summary["seconds"] = round(time.monotonic() - started, 1)
@@ -405,7 +446,6 @@ def _summarize(config: DemoConfig, follower: _AuditFollower, pool, lines: list[d
         "arrival_tiers": dict(follower.arrival_tiers),
         "rejection_reasons": dict(follower.rejections),
         "reload_violations": follower.kinds["reload.violation"],
-        "replay_served": sum(line.get("replay_served", 0) for line in lines),
         "activations": follower.activations,
         "audit_events": dict(follower.kinds),
         "workers": workers,
@@ -434,7 +474,7 @@ def _engines_summary(config: DemoConfig, follower: _AuditFollower, lines: list[d
                 if line.strip()] if path.exists() else []
         report = profile_rollouts(runs).model_dump(mode="json") if runs else None
         counts = follower.per_worker.get(worker_id, Counter())
-        prefix = f"engine/{precision}"
+        prefix = f"mismatch/{precision}"
         engines[worker_id] = {
             "precision": precision,
             "groups_accepted": counts["accepted"],
@@ -504,7 +544,6 @@ def _print_summary(console: Console, summary: dict) -> None:
         verdict += " [red](a real worker delivered nothing)[/]"
     console.print(
         f"{verdict} in {summary['seconds']}s over {summary['steps']} trainer steps; policy v"
-        f"{summary['active_version']} active; {summary['reload_violations']} reload violation(s); "
-        f"{summary['replay_served']} replay group(s) served on request.\n"
+        f"{summary['active_version']} active; {summary['reload_violations']} reload violation(s).\n"
         f"summary: {summary['run_dir']}/summary.json"
     )

@@ -14,11 +14,12 @@ import numpy as np
 
 from ..contracts import FinishReason, LeaseGrant, SampleGroup, Trajectory
 from . import synthetic
+from .policy import ModelPolicy
 
 
 class Profile(str, Enum):
     honest = "honest"
-    """bf16 engine whose logprobs sit within rounding of the trainer's."""
+    """An engine whose logprobs sit within rounding of the trainer's."""
     noisy = "noisy"
     """Sometimes fine, sometimes noisy, sometimes one token off by e^35: replay and quarantine."""
     stale = "stale"
@@ -26,7 +27,7 @@ class Profile(str, Enum):
     toxic_tokenizer = "toxic-tokenizer"
     """Runs another tokenizer: wrong tokenizer hash and ids outside the vocabulary."""
     toxic_precision = "toxic-precision"
-    """Claims bf16 but runs broken low-precision numerics: samples tokens the policy forbids,
+    """Claims fp16 but runs broken low-precision numerics: samples tokens the policy forbids,
     and now and then labels its groups with the fp8 it really runs."""
     no_logprobs = "no-logprobs"
     """An OpenAI-compatible host that drops logprobs."""
@@ -37,6 +38,9 @@ class Profile(str, Enum):
 
 
 DESCRIPTIONS = {p: (p.__doc__ or "").strip() for p in Profile}
+
+SCORING = frozenset(Profile) - {Profile.toxic_tokenizer, Profile.no_logprobs, Profile.crashing}
+"""The profiles whose groups carry logprobs of real tokens: they load the policy's weights (policy.py)."""
 
 
 @dataclass
@@ -50,16 +54,18 @@ class GroupPlan:
     crash: bool = False
 
 
-def _trajectory(rng: np.random.Generator, grant: LeaseGrant, index: int, *, sigma: float,
+def _trajectory(rng: np.random.Generator, grant: LeaseGrant, policy: ModelPolicy, index: int, *, sigma: float,
                 forbidden_share: float = 0.0, spike: bool = False, drop_logprobs: bool = False,
                 out_of_vocab: bool = False) -> Trajectory:
     job = grant.job
-    prompt_P = synthetic.encode_prompt(job.task)
+    prompt_P = policy.encode(job.task)
     length = int(rng.integers(24, 96))
     response_T = synthetic.sample_tokens(rng, length, forbidden_share=forbidden_share)
     if out_of_vocab:
-        response_T[: max(1, length // 8)] = synthetic.POLICY_VOCAB_SIZE + rng.integers(0, 4096, max(1, length // 8))
-    reference_T = synthetic.reference_logprobs(prompt_P, response_T, grant.lease.policy_version)
+        response_T[: max(1, length // 8)] = policy.vocab_size + rng.integers(0, 4096, max(1, length // 8))
+    # Ids outside the vocabulary have no logprob, and a group without logprobs needs none.
+    reference_T = (np.full(length, -1.0, np.float32) if out_of_vocab or drop_logprobs
+                   else policy.logprobs(prompt_P, response_T))
     behaviour_T = reference_T + rng.normal(0.0, sigma, length).astype(np.float32)
     forbidden = response_T % synthetic.FORBIDDEN_MODULUS == 0
     # A broken engine believes forbidden tokens are ordinary ones.
@@ -80,13 +86,14 @@ def _trajectory(rng: np.random.Generator, grant: LeaseGrant, index: int, *, sigm
     )
 
 
-def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, *, leases_seen: int,
-         lease_ttl_s: float, digests: dict[int, str] | None = None) -> GroupPlan:
-    """What `profile` does with its `leases_seen`-th lease (1-based)."""
+def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, policy: ModelPolicy, *,
+         leases_seen: int, lease_ttl_s: float, digests: dict[int, str] | None = None) -> GroupPlan:
+    """What `profile` does with its `leases_seen`-th lease (1-based), its logprobs from `policy` (the
+    checkpoint the worker runs)."""
     size = grant.job.group_size
 
     def group(sigma: float = 0.003, **kwargs) -> SampleGroup:
-        trajectories = [_trajectory(rng, grant, i, sigma=sigma, **kwargs) for i in range(size)]
+        trajectories = [_trajectory(rng, grant, policy, i, sigma=sigma, **kwargs) for i in range(size)]
         return client.group_for(grant, trajectories, wall_time_s=float(rng.uniform(0.5, 3.0)))
 
     if profile is Profile.honest:
@@ -103,11 +110,11 @@ def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, 
         return GroupPlan(group(), hold_s=float(rng.uniform(6.0, 16.0)))
     if profile is Profile.toxic_tokenizer:
         other = hashlib.sha256(b"some-other-tokenizer").hexdigest()
-        trajectories = [_trajectory(rng, grant, i, sigma=0.003, out_of_vocab=True) for i in range(size)]
+        trajectories = [_trajectory(rng, grant, policy, i, sigma=0.003, out_of_vocab=True) for i in range(size)]
         return GroupPlan(client.group_for(grant, trajectories, tokenizer_hash=other))
     if profile is Profile.toxic_precision:
         if leases_seen % 2 == 0:
-            trajectories = [_trajectory(rng, grant, i, sigma=0.02) for i in range(size)]
+            trajectories = [_trajectory(rng, grant, policy, i, sigma=0.02) for i in range(size)]
             return GroupPlan(client.group_for(grant, trajectories, precision_class="fp8"))
         return GroupPlan(group(sigma=0.02, forbidden_share=0.2))
     if profile is Profile.no_logprobs:
@@ -115,7 +122,7 @@ def plan(profile: Profile, client, grant: LeaseGrant, rng: np.random.Generator, 
     if profile is Profile.version_drift:
         version = grant.lease.policy_version
         previous = max(version - 1, 0)
-        trajectories = [_trajectory(rng, grant, i, sigma=0.003) for i in range(size)]
+        trajectories = [_trajectory(rng, grant, policy, i, sigma=0.003) for i in range(size)]
         drifted = client.group_for(
             grant, trajectories, policy_version=previous,
             checkpoint_digest=(digests or {}).get(previous) if version else synthetic.checkpoint_digest(1000),

@@ -1,6 +1,7 @@
-"""A simulated rollout worker process: `python -m rollmarket.sim.worker --url URL --profile NAME`.
+"""A simulated rollout worker process: `python -m rollmarket.sim.worker --url URL --profile NAME --model DIR`.
 
-It registers, heartbeats from a background thread, reloads and acks policies, leases jobs and
+It registers as an fp16 engine of the model `rollmarket train` trains, heartbeats from a background
+thread, reloads and acks policies (loading each checkpoint it acks: policy.py), leases jobs and
 submits what its profile makes of them. Each thing that happens is one JSON line in --events.
 """
 
@@ -25,9 +26,14 @@ from ..client import (
     WorkerClient,
 )
 from ..contracts import FailureKind, NoLeaseReason, WorkerManifest
-from ..worker.heartbeat import Heartbeater
+from ..worker.heartbeat import Heartbeater, run_renewing
 from . import synthetic
-from .profiles import Profile, plan, reload_digest
+from .policy import ModelPolicy
+from .profiles import SCORING, Profile, plan, reload_digest
+
+PRECISION = "fp16"
+"""The precision the simulated workers offer: the demo's trainer gives them their own share of each step's
+jobs, apart from the real workers' precisions."""
 
 
 class EventLog:
@@ -40,21 +46,22 @@ class EventLog:
             self._file.write(json.dumps({"t": time.time(), "event": kind, **self._base, **data}) + "\n")
 
 
-def manifest_for(profile: Profile, worker_id: str, price: float) -> WorkerManifest:
-    engine = "sim-fp8" if profile is Profile.toxic_precision else "sim-bf16"
+def manifest_for(profile: Profile, worker_id: str, price: float, policy: ModelPolicy) -> WorkerManifest:
+    engine = "sim-fp8" if profile is Profile.toxic_precision else "sim-fp16"
     return WorkerManifest(
         worker_id=worker_id, engine_name=engine, engine_version="0.1",
-        engine_fingerprint=synthetic.fingerprint(engine, -1), precision_classes=["bf16"],
-        supported_tokenizer_hashes=[synthetic.TOKENIZER_HASH], max_context_tokens=4096,
+        engine_fingerprint=synthetic.fingerprint(engine, -1), precision_classes=[PRECISION],
+        supported_tokenizer_hashes=[policy.tokenizer_hash], max_context_tokens=policy.max_context_tokens,
         max_concurrent_groups=1, price_hint=price,
     )
 
 
 def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path | None,
-        lease_ttl_s: float, heartbeat_s: float, price: float) -> int:
+        lease_ttl_s: float, heartbeat_s: float, price: float, model: Path) -> int:
     rng = np.random.default_rng(seed)
     log = EventLog(events_path, worker_id, profile)
-    manifest = manifest_for(profile, worker_id, price)
+    policy_model = ModelPolicy(model, scores=profile in SCORING)
+    manifest = manifest_for(profile, worker_id, price, policy_model)
     client = WorkerClient(url, retries=8)
     registration = client.register(manifest)
     log("registered", heartbeat_ttl_s=registration.heartbeat_ttl_s)
@@ -67,15 +74,22 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
     leases_seen = 0
     digests: dict[int, str] = {}
     """Digests of the policy versions this worker has seen published."""
+    uris: dict[int, str] = {}
     if registration.policy is not None:
         digests[registration.policy.policy_version] = registration.policy.checkpoint_digest
+        uris[registration.policy.policy_version] = registration.policy.checkpoint_uri
+        policy_model.load(registration.policy.checkpoint_uri)
 
     def reload(policy) -> None:
         nonlocal lied
-        digests[policy.policy_version] = policy.checkpoint_digest
+        version = policy.policy_version
+        digests[version] = policy.checkpoint_digest
+        uris[version] = policy.checkpoint_uri
         digest = reload_digest(profile, policy, digests, lied)
         lied = lied or digest != policy.checkpoint_digest
-        time.sleep(0.02)  # "loading weights"
+        # version-drift acks the new version but keeps running the previous checkpoint.
+        drifts = profile is Profile.version_drift and version - 1 in uris
+        policy_model.load(uris[version - 1] if drifts else policy.checkpoint_uri)
         fingerprint = synthetic.fingerprint(manifest.engine_name, policy.policy_version)
         try:
             status = client.ack_reload(policy.policy_version, digest, engine_fingerprint=fingerprint,
@@ -101,8 +115,10 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
         beats.active_leases.add(lease_id)
         log("leased", lease_id=lease_id, job_id=grant.lease.job_id, version=grant.lease.policy_version)
         digests[grant.policy.policy_version] = grant.policy.checkpoint_digest
-        decision = plan(profile, client, grant, rng, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s,
-                        digests=digests)
+        # Teacher forcing the group takes seconds on a busy machine: the lease is renewed meanwhile.
+        decision = run_renewing(client, lease_id, lease_ttl_s, lambda: plan(
+            profile, client, grant, rng, policy_model, leases_seen=leases_seen, lease_ttl_s=lease_ttl_s,
+            digests=digests))
         if decision.crash:
             log("crashing", lease_id=lease_id)
             os._exit(3)  # dies holding the lease: no fail report, no more heartbeats
@@ -129,6 +145,9 @@ def run(url: str, profile: Profile, worker_id: str, seed: int, events_path: Path
                 client.fail(lease_id, FailureKind.other, f"rejected: {', '.join(exc.reasons)}")
             except ExchangeError:
                 pass
+            # and leave it to one for a while: a worker refused at once would lease it straight back,
+            # while the honest ones are still busy teacher forcing, until it runs out of attempts.
+            stop.wait(lease_ttl_s / 3)
         except (Conflict, ExchangeError) as exc:
             log("submit_error", lease_id=lease_id, error=str(exc))
         beats.active_leases.discard(lease_id)
@@ -147,9 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl-s", type=float, default=10.0)
     parser.add_argument("--heartbeat-s", type=float, default=0.5)
     parser.add_argument("--price", type=float, default=1.0)
+    parser.add_argument("--model", type=Path, required=True, help="The model the trainer trains (its base directory).")
     args = parser.parse_args(argv)
     return run(args.url, Profile(args.profile), args.worker_id, args.seed, args.events, args.lease_ttl_s,
-               args.heartbeat_s, args.price)
+               args.heartbeat_s, args.price, args.model)
 
 
 if __name__ == "__main__":

@@ -408,6 +408,9 @@ def test_learner_step_block_says_not_measured_then_renders_the_json(tmp_path, mo
                     head_peak_ratio_vs_naive=0.04),
                dict(common, method="fsdp-2", world_size=2, chunk=2048, seconds=0.9, steps_per_s=1.111,
                     peak_extra_bytes=3 * 2**30, step_rate_vs_fsdp_1=1.85, step_rate_vs_chunked=1.78),
+               dict(common, method="fsdp-2@kept-prefetch", layout="kept-prefetch", world_size=2, chunk=2048,
+                    seconds=0.85, steps_per_s=1.176, peak_extra_bytes=6 * 2**30, held_bytes=3 * 2**30,
+                    step_rate_vs_fsdp_1=1.93, step_rate_vs_chunked=1.88),
 ]
     path = tmp_path / "benchmarks/results/learner_step-cuda.json"
     path.parent.mkdir(parents=True)
@@ -415,7 +418,10 @@ def test_learner_step_block_says_not_measured_then_renders_the_json(tmp_path, mo
                                 "results": results}))
     text = render.BLOCKS["learner-step-cuda"]()
     assert "`benchmarks/results/learner_step-cuda.json`" in text and "NVIDIA H100" in text and "2026-11-27" in text
-    assert "| chunked | 1 | 2048 | 1.600 | 0.62 | 4.00 | 0.100× | 1.00 | 0.040× | – | – |" in text
-    assert "| fsdp-2 | 2 | 2048 | 0.900 | 1.11 | 3.00 | – | – | – | 1.85× | 1.78× |" in text
-    assert "| **naive** | 1 | – | 2.000 | 0.50 | 40.00 | – | – | – | – | – |" in text
+    assert "| chunked | 1 | 2048 | 1.600 | 0.62 | 4.00 | 0.100× | – | 1.00 | 0.040× | – | – |" in text
+    assert "| fsdp-2 | 2 | 2048 | 0.900 | 1.11 | 3.00 | – | – | – | – | 1.85× | 1.78× |" in text
+    assert "| **naive** | 1 | – | 2.000 | 0.50 | 40.00 | – | – | – | – | – | – |" in text
+    # The learner's layout is the row the verdict reads, bold in the table.
+    assert "| **fsdp-2@kept-prefetch** | 2 | 2048 | 0.850 | 1.18 | 6.00 | – | 3.00 | – | – | 1.93× | 1.88× |" in text
+    assert "(`kept-prefetch`), steps at 1.88× one GPU's rate (goal ≥ 1.8×): met" in text
     assert "error: out of memory" in text and "14,336 in the loss" in text

@@ -118,7 +118,9 @@ def test_replay_reports_match_a_replayed_forward_done_here(observed):
         assert flips == 0 and router[tid].router_flip_rate == 0.0 and router[tid].n_tokens == int(valid.sum())
         expected = dense_summary(view.logprobs_T, scored.logprobs_T, mask=valid)
         assert dense[tid].n_tokens == expected.n_tokens
-        assert dense[tid].mean_abs_delta == pytest.approx(expected.mean_abs_delta, rel=1e-5, abs=1e-7)
+        # The observatory scores runs in padded batches, this loop one at a time: at fp32 that moves
+        # a token's logprob by ~1e-6 (summation order), the mean |Δ| by up to a few 1e-7.
+        assert dense[tid].mean_abs_delta == pytest.approx(expected.mean_abs_delta, rel=1e-4, abs=1e-6)
         assert dense[tid].token_ess == pytest.approx(expected.token_ess, rel=1e-6)
         changed += dense[tid].mean_abs_delta != plain[tid].mean_abs_delta
     assert changed >= 1  # replay changed the trainer's numbers on at least one run

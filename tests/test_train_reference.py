@@ -30,10 +30,12 @@ def test_reference_loop_trains_the_sampling_model(tmp_path, monkeypatch):
         return loaded
 
     monkeypatch.setattr(reference, "load_model", load_and_remember)
-    # Temperature 2 and seed 1 give groups with mixed rewards in both steps (at T=1 the tiny
-    # model solves nearly every training task, so every group ties and nothing is trained).
+    # Temperature 2 and seed 3 give groups with mixed rewards in both steps (at T=1 the tiny
+    # model solves nearly every training task, so every group ties and nothing is trained). The
+    # seed is the sampler's luck: the inverse-CDF sampler (session 25) changed every draw, and seed
+    # 1 then tied both groups of step 1 (seeds 1-11 scanned: 3, 4, 7 and 8 train in both steps).
     cfg = reference.Config(model=str(ROOT / "models" / "tiny-moe"), steps=2, groups=2, group_size=2,
-                           max_tokens=64, temperature=2.0, seed=1, eval_every=1, eval_tasks=4,
+                           max_tokens=64, temperature=2.0, seed=3, eval_every=1, eval_tasks=4,
                            runs_root=str(tmp_path))
     run_dir = reference.train(cfg, quiet=True)
 

@@ -52,10 +52,11 @@ LAYOUTS = {
     "kept": dict(reshard_root=False, reshard_layers=False),
     "prefetch": dict(prefetch=1),
     "root-kept-prefetch": dict(reshard_root=False, prefetch=1),
-    "kept-prefetch": dict(reshard_root=False, reshard_layers=False, prefetch=1),
+    "kept-prefetch": "the learner's",
 }
-"""FSDP2 layouts an ``fsdp-N@<layout>`` row may name (engines.fsdp.ShardLayout's fields); a plain
-``fsdp-N`` row is the default layout."""
+"""FSDP2 layouts an ``fsdp-N@<layout>`` row may name (engines.fsdp.ShardLayout's fields;
+``kept-prefetch`` is engines.fsdp.KEPT_PREFETCH, the learner's own); a plain ``fsdp-N`` row is the
+default layout."""
 
 
 # ----------------------------------------------------------------------------- one step
@@ -230,7 +231,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rollmarket.engines.fsdp import ShardLayout
+    from rollmarket.engines.fsdp import KEPT_PREFETCH, ShardLayout
     from rollmarket.train.head import CHUNK, policy_token_stats
     from rollmarket.train.sharded import shard_policy
 
@@ -248,7 +249,7 @@ def _fsdp_rank(rank: int, world_size: int, port: int, name: str, args, out: str,
     try:
         shape, loaded, model = _prepare(name, args.precision, device, args.tokens, not args.no_checkpointing)
         shard_policy(model, init_device_mesh("cuda" if cuda else "cpu", (world_size,)), policy_token_stats,
-                     layout=ShardLayout(**LAYOUTS[layout]))
+                     layout=KEPT_PREFETCH if layout == "kept-prefetch" else ShardLayout(**LAYOUTS[layout]))
         ids_BS, attention_BS, mask_BT, advantages_B = _inputs(shape, loaded.info.vocab_size, device)
         rows = slice(rank * len(ids_BS) // world_size, (rank + 1) * len(ids_BS) // world_size)
         chunk = args.chunk or CHUNK

@@ -15,10 +15,8 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import pstats
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,25 +56,11 @@ async def _bursts(url: str, name: str, batch: int, tokens: int, bursts: int) -> 
 
 
 def server_profile(args, scratch: Path) -> dict:
-    from rollmarket.localhost import free_port
+    from serve_throughput import _start_server
 
-    port, out = free_port(), str(scratch / "server.prof")
-    cmd = [sys.executable, "-m", "rollmarket", "serve-model", str(args.model), "--device", args.device,
-           "--precision", args.precision, "--port", str(port), "--max-batch-seqs", str(args.batch),
-           "--profile-decode", out]
-    log = (scratch / "server.log").open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    out = str(scratch / "server.prof")
+    proc, url = _start_server(args.model, args, scratch / "server.log", ("--profile-decode", out))
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((scratch / "server.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         walls = asyncio.run(_bursts(url, name, args.batch, args.tokens, args.bursts))
         engine = httpx.get(url + "/v1/engine").json()
@@ -127,6 +111,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve_profile.json")
     args = parser.parse_args()
     args.precision = args.precision or ("bf16" if args.device.startswith("cuda") else "fp32")
+    # What serve_throughput's server start reads: one batch size, its 5 ms window, torch's threads.
+    args.batches, args.batch_window_ms, args.threads = [args.batch], 5.0, 0
     with tempfile.TemporaryDirectory(prefix="serve-profile-") as scratch:
         server = server_profile(args, Path(scratch))
         inproc = inprocess_profile(args, Path(scratch))

@@ -63,11 +63,12 @@ MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse k
 console = Console(width=max(Console().width, 150))
 
 
-def _start_server(model: Path, args, log: Path) -> tuple[subprocess.Popen, str]:
+def _start_server(model: Path, args, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """A `rollmarket serve-model` process (``extra``: more of its options), once it answers /health."""
     port = free_port()
     cmd = [sys.executable, "-m", "rollmarket", "serve-model", str(model), "--precision", args.precision,
            "--device", args.device, "--port", str(port), "--max-batch-seqs", str(max(args.batches)),
-           "--batch-window-ms", str(args.batch_window_ms)]
+           "--batch-window-ms", str(args.batch_window_ms), *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)

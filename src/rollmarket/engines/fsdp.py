@@ -92,6 +92,11 @@ class ShardLayout:
     """Decoder layers whose all-gathers a layer issues ahead of itself (0: FSDP2's implicit order)."""
 
 
+KEPT_PREFETCH = ShardLayout(reshard_layers=False, reshard_root=False, prefetch=1)
+"""The training layout (the learner's policy with ``trainer.fsdp_keep_gathered``): every unit kept
+gathered from forward to backward, one layer prefetched (docs/benchmarks.md, "The learner step")."""
+
+
 def _plan_batches(pairs: list[tuple[np.ndarray, np.ndarray]], max_batch_tokens: int) -> list[list[int]]:
     """The same packing as ``TrainerEngine.score_batch``: in order, padded size ≤ the budget (as
     indices into ``pairs``, so replayed experts travel with their pairs)."""

@@ -85,13 +85,12 @@ class Learner:
         else:
             device = (torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
                       else torch.device(mesh.device_type))
-            from ..engines.fsdp import ShardLayout
+            from ..engines.fsdp import KEPT_PREFETCH
 
             # The policy trains (forward, then backward): keeping its gathered weights saves the
             # backward's all-gathers. The frozen reference only runs forwards, so it frees them.
-            kept = ShardLayout(reshard_layers=False, reshard_root=False, prefetch=1)
             shard_policy(self.model, mesh, policy_token_stats,
-                         layout=kept if config.trainer.fsdp_keep_gathered else None)
+                         layout=KEPT_PREFETCH if config.trainer.fsdp_keep_gathered else None)
             if self.reference is not None:
                 shard_policy(self.reference, mesh, policy_token_stats)
             self.loaded = replace(self.loaded, device=device)

@@ -126,7 +126,13 @@ def test_a_ray_pool_survives_preemption_and_scales(ray_head, tmp_path):
             assert f"pools (alive workers): {POOL} 3" in shown_status, shown_status
             wait_until("every pool worker holding a lease", lambda: feed() or sum(
                 1 for w in trainer.workers() if w.pool == POOL and w.status == "alive" and w.active_leases) == 3)
-            cli("pool", "scale", POOL, "1", "--ray", address)
+            # Work stays queued while the command starts (seconds on a loaded box), so the workers it
+            # drains are mid-lease when the stop reaches them, not idle on an empty queue.
+            scaling = subprocess.Popen(rollmarket_command("pool", "scale", POOL, "1", "--ray", address),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env={**os.environ, **LOOPBACK_ENV})
+            wait_until("pool scale 1 returned", lambda: feed() or scaling.poll() is not None)
+            assert scaling.returncode == 0, scaling.stderr.read()
             wait_until("1 pool worker alive", lambda: len(alive(exchange.db)) == 1)
             wait_until("every job done", lambda: len(trainer.jobs(state="done", limit=500)) == enqueued, timeout=300)
             report = pool_report(address, POOL)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import platform
@@ -105,11 +106,14 @@ async def _burst(client, name: str, batch: int, max_tokens: int) -> tuple[float,
 
 async def _warm(burst, most: int = 4, within: float = 0.15) -> int:
     """Run warm-up bursts until one's rate is within ``within`` of the previous one's (at most
-    ``most``); returns how many ran."""
+    ``most``); returns how many ran. ``burst()`` returns tokens/s, or an awaitable of it: every
+    path (HTTP, the engine alone, the batcher) warms up by this one rule, so their ratios compare
+    warm with warm."""
     previous = None
     for done in range(1, most + 1):
-        wall, tokens, _ = await burst()
-        rate = tokens / wall
+        rate = burst()
+        if inspect.isawaitable(rate):
+            rate = await rate
         if previous is not None and abs(rate - previous) <= within * max(rate, previous):
             return done
         previous = rate
@@ -131,7 +135,11 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
                 # Warm-up at the measured length until two bursts agree: new shapes pay one-time
                 # costs (compiles) for more than one burst (on an H100 after batch 1's bursts the
                 # first batch-32 burst past one warm-up still ran at 1/7 of the next one's rate).
-                await _warm(lambda: _burst(client, name, batch, args.max_tokens))
+                async def http_rate() -> float:
+                    wall, tokens, _ = await _burst(client, name, batch, args.max_tokens)
+                    return tokens / wall
+
+                warmups = await _warm(http_rate)
                 rates, latencies, engine_batches, inside = [], [], [], []
                 for _ in range(args.repeats):
                     before = (await stats.get("/v1/engine")).json()
@@ -150,6 +158,7 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
                 rows.append({"model": name, "path": "http", "batch": batch, "max_tokens": args.max_tokens,
                              "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
                              "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches,
+                             "warmups": warmups,
                              "server": inside, "server_step_ms": statistics.median(r["step_ms"] for r in inside),
                              "decode_share": statistics.median((r["decode_seconds"] + r["prefill_seconds"]) / r["wall_s"]
                                                                for r in inside),
@@ -267,20 +276,25 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
             for batch in args.batches:
                 params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=s, ignore_eos=True)
                           for s in range(batch)]
-                # Warm-up at the measured length, as the server's (the per-row baseline, measured once
-                # and slow at the Qwen3 shape, warms up briefly: it is not what the ratio compares).
-                engine.generate([prompt] * batch, params if sampler == "engine" else
-                                [SamplingParams(max_tokens=min(8, args.max_tokens), seed=0, ignore_eos=True)] * batch)
-                rates = []
-                for _ in range(args.repeats if sampler == "engine" else 1):
+                def rate() -> float:
                     sync()
                     started = time.perf_counter()
                     generations = engine.generate([prompt] * batch, params)
-                    wall = time.perf_counter() - started
-                    rates.append(sum(g.token_ids_T.size for g in generations) / wall)
+                    return sum(g.token_ids_T.size for g in generations) / (time.perf_counter() - started)
+
+                # Warm-up at the measured length until two runs agree, as the server's (the per-row
+                # baseline, measured once and slow at the Qwen3 shape, warms up briefly: it is not
+                # what the ratio compares).
+                if sampler == "engine":
+                    warmups = asyncio.run(_warm(rate))
+                else:
+                    engine.generate([prompt] * batch, [SamplingParams(
+                        max_tokens=min(8, args.max_tokens), seed=0, ignore_eos=True)] * batch)
+                    warmups = 1
+                rates = [rate() for _ in range(args.repeats if sampler == "engine" else 1)]
                 rows.append({"model": name, "path": sampler, "batch": batch, "max_tokens": args.max_tokens,
                              "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-                             "request_p50_s": None, "engine_batches": [1] * len(rates)})
+                             "request_p50_s": None, "engine_batches": [1] * len(rates), "warmups": warmups})
                 console.print(f"  {sampler:<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
 
                 # The split: the same decode, each forward and each draw timed between syncs.
@@ -316,7 +330,7 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                                "sample_ms": 1000 * spent["sample"] / steps, "step_ms": step_ms,
                                "sample_share": spent["sample"] / (spent["forward"] + spent["sample"])})
     rows += bench_batcher(engine, prompt, name, args)
-    del engine
+    engine = None  # the model's memory goes back before empty_cache (a nested function holds the name)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows, splits
@@ -347,11 +361,11 @@ def bench_batcher(engine, prompt: list[int], name: str, args) -> list[dict]:
     rows = []
     try:
         for batch in args.batches:
-            asyncio.run(burst(batch))  # warm-up at the measured length
+            warmups = asyncio.run(_warm(lambda: burst(batch)))  # at the measured length, as the others
             rates = [asyncio.run(burst(batch)) for _ in range(args.repeats)]
             rows.append({"model": name, "path": "batcher", "batch": batch, "max_tokens": args.max_tokens,
                          "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-                         "request_p50_s": None, "engine_batches": []})
+                         "request_p50_s": None, "engine_batches": [], "warmups": warmups})
             console.print(f"  {'batcher':<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
     finally:
         batcher.stop()

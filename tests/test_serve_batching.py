@@ -141,6 +141,36 @@ def test_batcher_admits_a_request_while_another_is_decoding(engine):
     assert doomed.events.qsize() < long_params.max_tokens  # it stopped being decoded
 
 
+def test_a_burst_arriving_over_longer_than_the_window_is_prefilled_once(engine):
+    """Eight requests 0.1 s apart span 0.7 s, longer than the 0.5 s window: an idle batcher keeps
+    the window open while they keep coming, so one prefill admits all eight (a window fixed from
+    the first arrival split this burst in two). A request after a quiet window gets a prefill of
+    its own."""
+    prompt = _prompt(engine, "hi")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    batcher = Batcher(engine, max_seqs=32, window_s=0.5)
+    batcher.start()
+
+    async def finish(pendings) -> None:
+        for pending in pendings:
+            while (item := await pending.events.get()) is not DONE:
+                assert not isinstance(item, Exception), item
+
+    async def run() -> None:
+        pendings = []
+        for _ in range(8):
+            pendings.append(batcher.submit(prompt, params, 1))
+            await asyncio.sleep(0.1)
+        await finish(pendings)
+        await finish([batcher.submit(prompt, params, 1)])
+
+    try:
+        asyncio.run(run())
+    finally:
+        batcher.stop()
+    assert batcher.batches == 2 and batcher.largest_batch == 8 and batcher.sequences == 9
+
+
 def test_the_decode_thread_can_write_its_profile(engine, tmp_path):
     """``profile_path`` (serve-model --profile-decode): when the batcher stops, the decode thread's
     cProfile statistics are on disk, and they are the decode loop's (its step and the engine's)."""

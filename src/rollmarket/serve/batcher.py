@@ -3,7 +3,10 @@
 Between two decode steps the thread admits every waiting request that fits (up to ``max_seqs``
 sequences, counting each of a request's ``n`` choices; their prompts are prefilled together
 and join the running batch), and a sequence leaves the batch the step it finishes. When the
-engine is idle the first request waits ``window_s`` for company, so a burst is prefilled as one.
+engine is idle the first request waits for company until ``window_s`` passes with no new arrival
+(at most ``WINDOW_SPAN`` windows in all), so a burst is prefilled as one even when its requests
+come in over longer than one window (32 HTTP requests from one client take several ms to arrive:
+a fixed window from the first one split such bursts into two prefills).
 
 Results cross to the event loop in batches, to keep the decode loop and the event loop from
 contending for the GIL on every token: one ``call_soon_threadsafe`` per step for all streaming
@@ -24,6 +27,8 @@ from ..engines import RolloutEngine, SamplingParams, StepEvent
 log = logging.getLogger(__name__)
 
 DONE = object()
+WINDOW_SPAN = 8
+"""An idle server's wait for a burst to finish arriving is at most this many ``window_s``."""
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Batcher:
         """The waiting requests that fit beside ``running`` sequences; blocks only when idle."""
         batch: list[Pending] = []
         seqs = running
-        deadline = None
+        deadline = first = None
         while not self._stopping:
             item = self._carry
             self._carry = None
@@ -105,9 +110,12 @@ class Batcher:
                 try:
                     if running == 0 and not batch:
                         item = self._queue.get()
-                        deadline = time.perf_counter() + self.window_s
+                        first = time.perf_counter()
+                        deadline = first + self.window_s
                     elif deadline is not None and (remaining := deadline - time.perf_counter()) > 0:
                         item = self._queue.get(timeout=remaining)
+                        # Each arrival keeps the window open for another quiet ``window_s``.
+                        deadline = min(time.perf_counter() + self.window_s, first + WINDOW_SPAN * self.window_s)
                     else:
                         item = self._queue.get_nowait()
                 except queue.Empty:

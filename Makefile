@@ -65,12 +65,15 @@ lint: venv-test
 	$(BIN)/ruff check src tests benchmarks experiments docs
 	$(BIN)/lint-imports
 
-# The GPU tests (tests/test_gpu_kernels.py: the fused kernel against float64) where CUDA exists; on
+# The GPU tests (the fused kernel and the learner head against float64, batched sampling, the
+# server's batcher, CUDA graphs of the body: the files gpu_run.sh's tests step runs) where CUDA exists; on
 # the CPU their CUDA cases are skipped ("needs CUDA: run on the device") and the torch path's run.
 # With this repository's .venv where there is one, else $(PYTHON) (the lent device has no .venv;
 # there `bash benchmarks/gpu_run.sh tests` also keeps the result for docs/benchmarks.md).
 gpu-test:
-	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pytest tests/test_gpu_kernels.py --noconftest -rs --durations=10
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pytest tests/test_gpu_kernels.py \
+	  tests/test_gpu_learner_head.py tests/test_sampling.py tests/test_serve_batching.py tests/test_gpu_graphs.py \
+	  --noconftest -rs --durations=10
 
 # Rewrites benchmarks/results/ and then the numbers in docs/benchmarks.md from them (docs/render.py).
 bench: venv-test

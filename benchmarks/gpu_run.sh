@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu_run.sh                      # tests + every benchmark below
 #   bash benchmarks/gpu_run.sh tests teacher_forcing-bodies # only those steps, in that order
+#   bash benchmarks/gpu_run.sh ranks-kill           # kill -9 of a NCCL learner rank (two GPUs)
 #   BUDGET_S=570 (default): seconds the whole call may take, packing included; a step gets at most
 #   what is left of it less PACK_S (20 s), so out.tgz is written even when a step runs long.
 #
@@ -39,6 +40,7 @@ BENCHMARKS=(
   "teacher_forcing-bodies|490|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b,qwen3-4b --methods engine-eager,engine-liger,engine-compiled,naive,numerics"
   "teacher_forcing-1.7b|300|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-1.7b --methods engine-eager,engine-compiled,naive,numerics,profile"
   "teacher_forcing-modes|300|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b --methods engine-compiled,engine-compiled-autotune,engine-compiled-graphs,profile"
+  "teacher_forcing-graphs|400|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b,qwen3-1.7b --methods engine-compiled,engine-compiled-cudagraphs,naive,profile,profile-cudagraphs"
   "learner_step|400|benchmarks/learner_step.py --device cuda --world-size 2 --layouts default,root-kept,kept,prefetch,kept-prefetch"
   "learner_ranks|200|benchmarks/learner_ranks.py --device cuda --ranks 2"
   "serve_throughput|330|benchmarks/serve_throughput.py --device cuda --repeats 2"
@@ -109,10 +111,17 @@ run_tests() {
   fi
   # --noconftest: the suite's conftest needs the server packages; this file needs none of it.
   step tests "$TESTS_S" "$PY" -m pytest tests/test_gpu_kernels.py tests/test_gpu_learner_head.py \
-    tests/test_sampling.py tests/test_serve_batching.py --noconftest -p no:cacheprovider \
+    tests/test_sampling.py tests/test_serve_batching.py tests/test_gpu_graphs.py --noconftest -p no:cacheprovider \
     -o addopts="" -rs --durations=10 --junitxml="$LOGS/gpu_tests.xml"
   step tests-summary 60 "$PY" benchmarks/gpu_test_summary.py "$LOGS/gpu_tests.xml" \
     --out "$RESULTS/gpu_tests-cuda.json"
+}
+
+# A learner rank killed -9 mid-run under NCCL on two GPUs: the trainer stops within the test's
+# STOP_S (a stuck collective falls to train/ranks.py's interrupt or its GRACE_S exit) and resumes.
+run_ranks_kill() {
+  step ranks-kill 300 "$PY" -m pytest tests/test_train_ranks.py -k "killed and cuda" --noconftest \
+    -p no:cacheprovider -o addopts="" -rs -s --junitxml="$LOGS/ranks_kill.xml"
 }
 
 run_benchmark() {
@@ -139,6 +148,10 @@ if [ ${#steps[@]} -eq 0 ]; then
   for entry in "${BENCHMARKS[@]}"; do steps+=("${entry%%|*}"); done
 fi
 for name in "${steps[@]}"; do
-  if [ "$name" = tests ]; then run_tests; else run_benchmark "$name"; fi
+  case $name in
+    tests) run_tests ;;
+    ranks-kill) run_ranks_kill ;;
+    *) run_benchmark "$name" ;;
+  esac
 done
 log "done: $(tr '\n' ' ' < "$LOGS/steps.tsv")"

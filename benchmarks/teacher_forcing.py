@@ -91,11 +91,16 @@ DEFAULT_SHAPES = {"cpu": "tiny-dense,tiny-moe,bigvocab", "cuda": "qwen3-0.6b,qwe
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
 BODY_OF = {"engine-eager": "eager", "engine-liger": "liger", "engine-compiled": "compiled",
            "engine-compiled-liger": "compiled-liger", "engine-torch": "eager",
-           "engine-compiled-autotune": "compiled", "engine-compiled-graphs": "compiled"}
+           "engine-compiled-autotune": "compiled", "engine-compiled-graphs": "compiled",
+           "engine-compiled-cudagraphs": "compiled", "engine-eager-cudagraphs": "eager"}
+PROFILES = ("profile", "profile-cudagraphs")
+"""Where one forward's GPU time goes (torch.profiler), with the compiled body, without and with graphs."""
+GRAPHED = ("engine-compiled-cudagraphs", "engine-eager-cudagraphs", "profile-cudagraphs")
+"""Methods whose engine replays the body as CUDA graphs (``TrainerEngine(graphs=True)``)."""
 COMPILE_MODE_OF = {"engine-compiled-autotune": "max-autotune-no-cudagraphs",
                    "engine-compiled-graphs": "reduce-overhead"}
 """torch.compile modes other than the default, measured as rows of their own."""
-METHODS = (*BODY_OF, "naive", "naive-logprobs", "numerics", "profile")
+METHODS = (*BODY_OF, "naive", "naive-logprobs", "numerics", *PROFILES)
 DEFAULT_METHODS = {"cpu": "engine-eager,engine-torch,naive,naive-logprobs",
                    "cuda": "engine-eager,engine-liger,engine-compiled,engine-compiled-liger,naive,numerics"}
 BASELINE = "naive"
@@ -193,15 +198,16 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
                   prompt=P, tokens=B * S, scored_tokens=B * (S - P), vocab=vocab,
                   parameters=sum(p.numel() for p in model.parameters()))
     engine = None
-    if method in BODY_OF or method == "profile":
+    if method in BODY_OF or method in PROFILES:
         try:
-            engine = TrainerEngine(loaded, chunk=chunk or None, body=BODY_OF.get(method))
+            engine = TrainerEngine(loaded, chunk=chunk or None, body=BODY_OF.get(method),
+                                   graphs=method in GRAPHED)
             if method in COMPILE_MODE_OF:
                 from rollmarket.engines.body import BodyPatch
 
                 engine.body_patch = BodyPatch(engine.body, "compiled", compile_mode=COMPILE_MODE_OF[method])
                 result["compile_mode"] = COMPILE_MODE_OF[method]
-        except BodyUnavailable as exc:
+        except (BodyUnavailable, ValueError) as exc:  # ValueError: CUDA graphs asked for off CUDA
             return dict(result, error=f"body unavailable: {exc}")
         result.update(body=engine.body_patch.body, fused=list(engine.body_patch.fused), chunk=engine.chunk,
                       fused_kernel=fused.available() and device.startswith("cuda"))
@@ -234,7 +240,7 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
 
     run = run_engine if engine is not None else {"naive": run_naive,
                                                  "naive-logprobs": run_naive_logprobs}[method]
-    if method == "profile":
+    if method in PROFILES:
         profiled = _profile(run, device)
         if "error" not in profiled:
             profiled.update(matmul_peak_tflops=matmul_peak_flops() / 1e12,
@@ -270,6 +276,10 @@ def child(name: str, method: str, precision: str, device: str, tokens: int, repe
                       attention_flops=attention,
                       fraction_of_peak_with_attention=(2 * result["parameters"] * B * S + attention)
                       / seconds / peak_flops)
+    if engine is not None and engine.graphs_error:
+        result["graphs_error"] = engine.graphs_error
+    elif engine is not None and engine.graphs is not None:
+        result["graph_captures"] = engine.graphs.captures
     return dict(result, seconds=seconds, seconds_median=statistics.median(times),
                 tokens_per_s=B * S / seconds, peak_extra_bytes=peak - base,
                 peak_total_bytes=peak, logprobs_sample=[float(x) for x in logprobs],
@@ -295,7 +305,13 @@ def _profile(run, device: str, top: int = 30) -> dict:
         return dict(error="the profile method needs CUDA")
     run()
     run()
-    torch.cuda.synchronize()
+    walls = []
+    for _ in range(3):  # the wall time beside the kernels' sum: the gap is GPU idle between kernels
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - started)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
@@ -319,7 +335,8 @@ def _profile(run, device: str, top: int = 30) -> dict:
     groups: dict[str, float] = {}
     for k in kernels:
         groups[group(k["name"])] = groups.get(group(k["name"]), 0.0) + k["ms"]
-    return dict(device_ms=sum(k["ms"] for k in kernels), groups_ms=groups, kernels=kernels[:top])
+    return dict(device_ms=sum(k["ms"] for k in kernels), wall_ms=1000 * min(walls), groups_ms=groups,
+                kernels=kernels[:top])
 
 
 # ----------------------------------------------------------------------------- sweep (CUDA)
@@ -784,7 +801,7 @@ def main() -> None:
             row.pop("entropies_sample", None)
             results.append(row)
 
-    speed = [r for r in results if r["method"] not in ("numerics", "profile")]
+    speed = [r for r in results if r["method"] not in ("numerics", *PROFILES)]
     table = Table(title=f"Teacher forcing on {args.device} at {args.precision}")
     for col in ("shape", "method", "chunk", "batch×seq", "tokens/s", "peak extra GiB",
                 "speed vs naive", "speed vs naive-lp", "peak vs naive", "peak vs naive-lp",
@@ -805,10 +822,10 @@ def main() -> None:
             _e(row.get("max_abs_logprob_diff_vs_naive")), _e(row.get("max_abs_entropy_diff_vs_naive")))
     console.print(table)
     for res in results:
-        if res["method"] == "profile" and "groups_ms" in res:
+        if res["method"] in PROFILES and "groups_ms" in res:
             groups = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(res["groups_ms"].items(), key=lambda kv: -kv[1]))
-            console.print(f"{res['shape']} profile ({res.get('body', '')} body): {res['device_ms']:.1f} ms of "
-                          f"kernels: {groups}")
+            console.print(f"{res['shape']} {res['method']} ({res.get('body', '')} body): {res['device_ms']:.1f} ms "
+                          f"of kernels in {res.get('wall_ms', float('nan')):.1f} ms of wall time: {groups}")
             for k in res["kernels"][:12]:
                 console.print(f"    {k['ms']:8.2f} ms  ×{k['count']:<5} {k['name']}")
         if res["method"] != "numerics":

@@ -14,6 +14,7 @@ import torch
 
 from .body import Body, BodyPatch, default_body
 from .fingerprint import canonical_pairs, fingerprint_from_logprobs
+from .graphs import BodyGraphs, GraphUnavailable
 from .loading import LoadedModel, load_model
 from .precision import Precision
 from .routing import RouterCapture, RouterReplay, replay_positions
@@ -102,12 +103,17 @@ class TrainerEngine:
     MoE models. The body applies only inside the engine's forward, so a model shared with a
     rollout engine or a learner stays eager for them. A compiled body compiles on its first call
     (seconds) and once more for the next new batch shape, after which shapes are dynamic.
+
+    ``graphs=True`` (CUDA) replays the body as a CUDA graph per batch shape (``engines.graphs``):
+    for unpadded batches of a dense model, whose shapes repeat (a fixed packing); each new shape
+    costs a capture of about three forwards. If the body cannot be captured the engine says why in
+    ``graphs_error`` and runs without graphs.
     """
 
     name = "rollmarket-teacher"
 
     def __init__(self, loaded: LoadedModel, *, chunk: int | None = None,
-                 max_batch_tokens: int = 16384, body: Body | None = None):
+                 max_batch_tokens: int = 16384, body: Body | None = None, graphs: bool = False):
         self.loaded = loaded
         self.info = loaded.info
         self.chunk = chunk or (CUDA_CHUNK if torch.device(loaded.device).type == "cuda" else CPU_CHUNK)
@@ -115,6 +121,14 @@ class TrainerEngine:
         self.body, self.head = _body_and_head(loaded.model)
         body = body or default_body(self.body, loaded.device, moe=bool(loaded.info.num_moe_layers))
         self.body_patch = BodyPatch(self.body, body)
+        if graphs and torch.device(loaded.device).type != "cuda":
+            raise ValueError("CUDA graphs need a model on CUDA")
+        self.graphs = BodyGraphs(self._plain_body) if graphs else None
+        self.graphs_error: str | None = None
+
+    def _plain_body(self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None = None) -> torch.Tensor:
+        with self.body_patch:
+            return self.body(input_ids=ids_BS, attention_mask=mask_BS, use_cache=False).last_hidden_state
 
     @classmethod
     def from_path(cls, path, precision: str | Precision = "fp32", device="cpu", **kw) -> "TrainerEngine":
@@ -173,6 +187,13 @@ class TrainerEngine:
             out.extend(self._forward(batch, temperature, replays))
         return out
 
+    def _graphed_body(self, ids_BS: torch.Tensor) -> torch.Tensor | None:
+        try:
+            return self.graphs(ids_BS)
+        except GraphUnavailable as exc:
+            self.graphs, self.graphs_error = None, str(exc)
+            return None
+
     def _forward(self, batch: list[tuple[np.ndarray, np.ndarray]], temperature: float,
                  replays: list[np.ndarray | None] | None = None) -> list[TeacherForced]:
         device = self.loaded.device
@@ -194,9 +215,11 @@ class TrainerEngine:
             replay = RouterReplay(self.loaded.model, replay_positions(
                 [(p.size, e) for (p, _), e in zip(batch, replays)], S, len(capture.routers), top_k))
         # Replay first, so the capture (registered after it) records the experts actually used.
-        with replay, capture, self.body_patch:
-            hidden_BSH = self.body(input_ids=ids_BS, attention_mask=mask_BS,
-                                   use_cache=False).last_hidden_state
+        with replay, capture:
+            hidden_BSH = self._graphed_body(ids_BS) if (
+                self.graphs is not None and mask_BS is None and not capture.active) else None
+            if hidden_BSH is None:
+                hidden_BSH = self._plain_body(ids_BS, mask_BS)
         experts_BSLK = capture.take(B, S) if capture.active else None
         # Position i predicts token i+1: the response's scores sit at P-1 .. P+T-2.
         rows, targets = [], []

@@ -1,5 +1,5 @@
 """Helpers for starting services on loopback: a free port, claiming a port before a slow start,
-and waiting for `/healthz`."""
+waiting for `/healthz`, and serving an app from a thread of this process."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,3 +101,36 @@ def die_with_parent(sig: int = signal.SIGKILL) -> Callable[[], None]:
         if os.getppid() != parent:  # the owner died before prctl
             os._exit(1)
     return set_up
+
+
+class ServerDidNotStart(RuntimeError):
+    """An in-thread server's thread ended, or its time ran out, before it was listening."""
+
+
+class ThreadedServer:
+    """An ASGI app served by uvicorn from a thread of this process, on loopback.
+
+    For servers that live inside another command (the local exchange of `train --local`, a
+    worker's embedded model server, the reference trainer's sampler): ``start()`` returns once
+    uvicorn listens and raises ServerDidNotStart otherwise; ``stop()`` asks it to exit and joins."""
+
+    def __init__(self, app, port: int, *, name: str, host: str = "127.0.0.1"):
+        import uvicorn  # the servers' dependency, not this module's other callers'
+
+        self.name, self.port = name, port
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name=name)
+
+    def start(self, timeout: float = 60.0) -> "ThreadedServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise ServerDidNotStart(f"the {self.name} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)

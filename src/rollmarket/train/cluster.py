@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 from pathlib import Path
-
-import uvicorn
 
 from ..exchange.app import create_app
 from ..exchange.settings import ExchangeSettings
 from ..gate import GateConfig
-from ..localhost import free_port
+from ..localhost import ThreadedServer, free_port
 from .config import WorkerSpec
 
 
@@ -53,21 +50,11 @@ class LocalCluster:
         self.url = f"http://127.0.0.1:{self.settings.port}"
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._server: uvicorn.Server | None = None
+        self._server: ThreadedServer | None = None
         self.workers = []
 
     def __enter__(self) -> "LocalCluster":
-        self._server = uvicorn.Server(uvicorn.Config(create_app(self.settings), host="127.0.0.1",
-                                                     port=self.settings.port, log_level="warning",
-                                                     access_log=False))
-        thread = threading.Thread(target=self._server.run, daemon=True, name="local-exchange")
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the in-process exchange did not start")
-            time.sleep(0.02)
-        self._threads.append(thread)
+        self._server = ThreadedServer(create_app(self.settings), self.settings.port, name="local exchange").start()
         try:
             for spec in self.specs:
                 self._start_worker(spec)
@@ -97,11 +84,9 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        for thread in self._threads[1:]:
+        for thread in self._threads:  # the workers' threads
             thread.join(timeout=30)
         for worker in self.workers:
             worker.host.close()
         if self._server is not None:
-            self._server.should_exit = True
-        if self._threads:
-            self._threads[0].join(timeout=15)
+            self._server.stop()

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import uvicorn
 
 from ..agents import (
     Agent,
@@ -39,7 +37,7 @@ from ..agents import (
 )
 from ..engines import RolloutEngine
 from ..engines.loading import load_model
-from ..localhost import free_port
+from ..localhost import ThreadedServer, free_port
 from ..runs import code_version, new_run_dir, write_json
 from ..serve import create_serve_app
 from ..serve.settings import ServeSettings
@@ -93,19 +91,11 @@ def serve_in_process(engine):
     """Serve `engine` with `rollmarket serve-model`'s app in a thread; yield its /v1 URL."""
     port = free_port()
     settings = ServeSettings(model_path=engine.info.path, precision="fp32", port=port, max_batch_seqs=64)
-    server = uvicorn.Server(uvicorn.Config(create_serve_app(engine, settings), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True, name="reference-model-server")
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the in-process model server did not start")
-        time.sleep(0.02)
+    server = ThreadedServer(create_serve_app(engine, settings), port, name="reference model server").start()
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        server.should_exit = True
-        thread.join(timeout=15)
+        server.stop()
 
 
 def sample_groups(agent, tasks, group_size, samplings):

@@ -13,7 +13,6 @@ import shlex
 import signal
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +100,6 @@ class EmbeddedHost:
 
             torch.set_num_threads(threads)
         self._server = None
-        self._thread: threading.Thread | None = None
         self.url = ""
         self.engine = self._load(Path(model_path))
         self._serve()
@@ -115,34 +113,23 @@ class EmbeddedHost:
             raise HostError(f"could not load {path}: {exc}") from None
 
     def _serve(self) -> None:
-        import uvicorn
-
-        from ..localhost import free_port
+        from ..localhost import ServerDidNotStart, ThreadedServer, free_port
         from ..serve import create_serve_app
         from ..serve.settings import ServeSettings
 
         port = free_port()
         settings = ServeSettings(model_path=self.engine.info.path, precision=self.precision, port=port,
                                  max_batch_seqs=self.max_batch_seqs)
-        app = create_serve_app(self.engine, settings)
-        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True, name="model-server")
-        self._thread.start()
+        self._server = ThreadedServer(create_serve_app(self.engine, settings), port, name="embedded model server")
+        try:
+            self._server.start()
+        except ServerDidNotStart as exc:
+            raise HostError(str(exc)) from None
         self.url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self._server.started:
-                return
-            if not self._thread.is_alive():
-                break
-            time.sleep(0.02)
-        raise HostError("the embedded model server did not start")
 
     def _stop_server(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=15)
+            self._server.stop()
             self._server = None
 
     def identity(self) -> EngineIdentity:

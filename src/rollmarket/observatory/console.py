@@ -5,17 +5,19 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-
-def ess_band(value: float | None) -> str:
-    if value is None:
-        return "dim"
-    return "green" if value > 0.99 else "yellow" if value >= 0.95 else "red"
+from .bands import Band, ess_band, flip_band
 
 
-def flip_band(value: float | None) -> str:
-    if value is None:
-        return "dim"
-    return "green" if value <= 0.05 else "yellow" if value <= 0.15 else "red"
+STYLE = {Band.green: "green", Band.amber: "yellow", Band.red: "red", Band.none: "dim"}
+"""The console's colour of each band (observatory.bands)."""
+
+
+def ess_style(value: float | None) -> str:
+    return STYLE[ess_band(value)]
+
+
+def flip_style(value: float | None) -> str:
+    return STYLE[flip_band(value)]
 
 
 def print_matrix(matrix, out: Console) -> None:
@@ -36,7 +38,7 @@ def print_matrix(matrix, out: Console) -> None:
             if e.mean is None:
                 row.append(f"[dim]absent: {c.absent}[/]" if c.absent else "-")
                 continue
-            row.append(f"[{ess_band(e.mean)}]{e.mean:.4f}[/] [{e.lo:.4f}, {e.hi:.4f}]\n"
+            row.append(f"[{ess_style(e.mean)}]{e.mean:.4f}[/] [{e.lo:.4f}, {e.hi:.4f}]\n"
                        f"|Δ| {c.mean_abs_delta.mean:.2e}  k3 {c.kl_k3.mean:.2e}\n"
                        f"n={c.n}{' (n<30)' if c.low_n else ''}")
         dense.add_row(*row, end_section=True)
@@ -53,7 +55,7 @@ def print_matrix(matrix, out: Console) -> None:
                 f = cells[(r, t)].router_flip_rate
                 c = cells[(r, t)]
                 row.append(("[dim]absent[/]" if c.absent else "-") if f is None or f.mean is None else
-                           f"[{flip_band(f.mean)}]{f.mean:.2%}[/] [{f.lo:.2%}, {f.hi:.2%}]\n"
+                           f"[{flip_style(f.mean)}]{f.mean:.2%}[/] [{f.lo:.2%}, {f.hi:.2%}]\n"
                            f"{c.tokens} tok, worst layer {c.worst_layer}")
             router.add_row(*row, end_section=True)
         out.print(router)

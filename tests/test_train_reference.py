@@ -30,10 +30,10 @@ def test_reference_loop_trains_the_sampling_model(tmp_path, monkeypatch):
         return loaded
 
     monkeypatch.setattr(reference, "load_model", load_and_remember)
-    # Temperature 2 and seed 3 give groups with mixed rewards in both steps (at T=1 the tiny
-    # model solves nearly every training task, so every group ties and nothing is trained). The
-    # seed is the sampler's luck: the inverse-CDF sampler (session 25) changed every draw, and seed
-    # 1 then tied both groups of step 1 (seeds 1-11 scanned: 3, 4, 7 and 8 train in both steps).
+    # Temperature 2 gives groups with mixed rewards (at T=1 the tiny model solves nearly every
+    # training task, so every group ties and nothing is trained). Which steps train is the seed's
+    # luck (the sampler's draws, and since session 26 the seed rule of contracts/seeds.py): the
+    # test needs one step that trains, and checks a step that did not for nulls.
     cfg = reference.Config(model=str(ROOT / "models" / "tiny-moe"), steps=2, groups=2, group_size=2,
                            max_tokens=64, temperature=2.0, seed=3, eval_every=1, eval_tasks=4,
                            runs_root=str(tmp_path))
@@ -54,8 +54,10 @@ def test_reference_loop_trains_the_sampling_model(tmp_path, monkeypatch):
         assert row["reward_tie_pair_rate"] == row["reward_tie_group_rate"] == row["reward_uniform_group_rate"]
         assert row["actor/kl_ref"] is None and row["plan_entropy_mean"] is None
         assert 0.0 <= row["eval/accuracy/mean"] <= 1.0
-        # Sampler and trainer are the same fp32 weights: only kernel numerics separate them.
-        assert row["rollout_corr/mean_abs_delta"] < 1e-3
+        # Sampler and trainer are the same fp32 weights: only kernel numerics separate them
+        # (a step whose groups all tied scores nothing).
+        if row["num_datums"]:
+            assert row["rollout_corr/mean_abs_delta"] < 1e-3
     assert sum(r["num_datums"] for r in rows) > 0
     (model, before), = checksums
     after = sum(float(p.detach().double().sum()) for p in model.parameters())

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..contracts.seeds import turn_seed
 from ..contracts import (
     AgentStep,
     AgentTrajectory,
@@ -45,13 +46,6 @@ class AgentSettings:
     """Model turns per run; a run still calling tools after this many ends with max_steps."""
     require_token_ids: bool = True
     """End a run with model_error when the server returns no token ids (training needs them)."""
-
-
-def turn_seed(seed: int | None, sample_index: int, step: int) -> int | None:
-    """The seed of one turn: distinct per sample and per turn, the same on every rerun."""
-    if seed is None:
-        return None
-    return (seed * 1_000_003 + sample_index * 1_009 + step) % 2**31
 
 
 def task_messages(task: TaskSpec) -> list[dict]:

@@ -20,7 +20,6 @@ import gc
 import json
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from ..contracts.seeds import task_seed
 from ..contracts import (
     AgentDivergenceReport,
     AgentTrajectory,
@@ -137,18 +137,13 @@ def _stitched(run: AgentTrajectory) -> _Run | None:
                 produced_T=view.action_mask_T.astype(bool))
 
 
-def _task_seed(seed: int, task_id: str) -> int:
-    from ..agents.collect import task_seed
-
-    return task_seed(seed, task_id)
-
-
 def sample_agent_runs(settings: ObserveSettings, rollout: str, tasks: list[TaskSpec],
                       progress: Progress | None = None) -> list[AgentTrajectory]:
     """Run the agent once per task against rollout engine `rollout`: the model at that precision
     served on loopback, or the server of `settings.rollout_urls[rollout]` through the worker's
     RemoteHost (the model directory it serves is `settings.model`)."""
     from ..agents import Agent, AgentSettings, ChatModel, LocalToolbox, Sampling
+    from ..agents.collect import run_grouped
     from ..verifiers import verify_trajectory
     from ..worker.host import EmbeddedHost, RemoteHost
 
@@ -158,19 +153,10 @@ def sample_agent_runs(settings: ObserveSettings, rollout: str, tasks: list[TaskS
     try:
         agent = Agent(ChatModel(host.url, host.identity().model_name), LocalToolbox(),
                       AgentSettings(max_steps=settings.max_steps), verify=verify_trajectory)
-        done = [0]
-
-        def one(task: TaskSpec) -> AgentTrajectory:
-            sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens,
-                                seed=_task_seed(settings.seed, task.task_id))
-            run = agent.run(task, sampling)
-            done[0] += 1
-            if progress:
-                progress(f"agent runs on {rollout}", done[0], len(tasks))
-            return run
-
-        with ThreadPoolExecutor(settings.concurrency) as pool:
-            return list(pool.map(one, tasks))
+        sampling = Sampling(temperature=settings.temperature, max_tokens=settings.max_tokens, seed=settings.seed)
+        on_run = None if progress is None else lambda done, total: progress(f"agent runs on {rollout}", done, total)
+        return [runs[0] for runs in run_grouped(agent, tasks, 1, sampling, concurrency=settings.concurrency,
+                                                 on_run=on_run)]
     finally:
         if isinstance(host, EmbeddedHost):
             host.close()
@@ -203,7 +189,7 @@ def sample_probes(settings: ObserveSettings, precision: str, tasks: list[TaskSpe
         prompts = [engine.encode_chat(task_messages(t), tools=tool_schemas(list(t.tools)) or None) for t in chosen]
         keep = [(t, p) for t, p in zip(chosen, prompts) if len(p) <= budget]
         params = [SamplingParams(temperature=settings.temperature, max_tokens=length, ignore_eos=True,
-                                 seed=_task_seed(settings.seed, t.task_id)) for t, _ in keep]
+                                 seed=task_seed(settings.seed, t.task_id)) for t, _ in keep]
         gens = engine.generate([prompt for _, prompt in keep], params) if keep else []
         for (task, _), gen in zip(keep, gens):
             probes.append(probe_run(task.task_id, length, gen, engine.info.eos_token_ids))

@@ -11,10 +11,10 @@ the evaluation runs the same agent, tools and verifiers as the workers.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from ..agents import Agent, AgentSettings, ChatModel, LocalToolbox, Sampling
+from ..agents.collect import run_grouped
 from ..contracts import TaskSpec
 from ..engines import RolloutEngine
 from ..verifiers import verify_trajectory
@@ -41,12 +41,10 @@ def evaluate_policy(learner, tasks: list[TaskSpec], *, samples: int, temperature
     engine = RolloutEngine(replace(learner.loaded, model=learner.model.eval()))
     with serve_in_process(engine) as url:
         agent = Agent(ChatModel(url), LocalToolbox(), AgentSettings(max_steps=max_turns), verify=verify_trajectory)
-        greedy = Sampling(temperature=0.0, max_tokens=max_tokens, seed=0)
-        with ThreadPoolExecutor(max(1, min(len(tasks), MAX_IN_FLIGHT // max(1, samples)))) as pool:
-            greedy_runs = list(pool.map(lambda task: agent.run(task, greedy), tasks))
-            sampled = list(pool.map(lambda it: agent.run_group(
-                it[1], samples, Sampling(temperature=temperature, max_tokens=max_tokens,
-                                         seed=(seed * 7919 + it[0]) % 2**31)), enumerate(tasks)))
+        greedy_runs = [runs[0] for runs in run_grouped(
+            agent, tasks, 1, Sampling(temperature=0.0, max_tokens=max_tokens, seed=0), concurrency=MAX_IN_FLIGHT)]
+        sampled = run_grouped(agent, tasks, samples, Sampling(temperature=temperature, max_tokens=max_tokens,
+                                                              seed=seed), concurrency=MAX_IN_FLIGHT)
     out = {"eval/accuracy/mean": sum(map(_passed, greedy_runs)) / len(tasks)}
     k = 1
     while k <= samples:

@@ -38,7 +38,6 @@ each of these points in the tests; docs/training.md, "Crashes and resume", lists
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -53,6 +52,7 @@ import numpy as np
 import torch
 
 from ..client import Conflict, ExchangeError, TrainerClient
+from ..contracts.seeds import task_seed
 from ..contracts import (DecisionStatus, GroupDecision, PolicyManifest, RolloutJob, SampleGroup, SamplingConfig, Tier,
                          TaskSpec, Trajectory)
 from ..engines.precision import Precision
@@ -333,9 +333,10 @@ class Trainer:
         version = self._job_version(step)
         jobs = []
         for i in range(r.groups_per_step):
-            task = self.train_task((step - 1) * r.groups_per_step + i)
+            index = (step - 1) * r.groups_per_step + i
+            task = self.train_task(index)
             precision = r.precisions[i % len(r.precisions)]
-            seed = int(hashlib.sha256(f"{r.sampling}:{step}:{i}".encode()).hexdigest()[:8], 16)
+            seed = task_seed(r.sampling, task.task_id, draw=index)
             key = f"{self.run_id}-s{step:05d}-{i:03d}"
             jobs.append(RolloutJob(
                 job_id=key, idempotency_key=key, task=task, policy_version=version, group_size=r.group_size,

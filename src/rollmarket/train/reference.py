@@ -19,7 +19,6 @@ import json
 import math
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ from ..agents import (
     StitchError,
     stitch,
 )
+from ..agents.collect import run_grouped
 from ..engines import RolloutEngine
 from ..engines.loading import load_model
 from ..localhost import ThreadedServer, free_port
@@ -98,18 +98,12 @@ def serve_in_process(engine):
         server.stop()
 
 
-def sample_groups(agent, tasks, group_size, samplings):
-    """Run every task `group_size` times, all groups at once so the server batches them."""
-    with ThreadPoolExecutor(max(1, len(tasks))) as pool:
-        futures = [pool.submit(agent.run_group, task, group_size, sampling) for task, sampling in zip(tasks, samplings)]
-        return [f.result() for f in futures]
 
 
 def evaluate(agent, tasks, max_tokens: int) -> float:
     """Share of `tasks` the policy solves at temperature 0."""
     greedy = Sampling(temperature=0.0, max_tokens=max_tokens, seed=0)
-    with ThreadPoolExecutor(max(1, len(tasks))) as pool:
-        runs = list(pool.map(lambda task: agent.run(task, greedy), tasks))
+    runs = [group[0] for group in run_grouped(agent, tasks, 1, greedy, concurrency=max(1, len(tasks)))]
     return sum(bool(r.verification and r.verification.passed) for r in runs) / max(1, len(runs))
 
 
@@ -206,10 +200,11 @@ def train(cfg: Config, *, quiet: bool = False) -> Path:
 
                 # 1. Sample G agent runs per task. The server's batcher runs only while a request
                 #    is open, so it never reads the weights while the optimizer writes them.
-                samplings = [Sampling(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
-                                      seed=(cfg.seed * 1_000_003 + step * 1_009 + i) % 2**31)
-                             for i in range(len(tasks))]
-                groups = sample_groups(agent, tasks, cfg.group_size, samplings)
+                #    All groups at once so the server batches them; each task's draw of the run
+                #    seeds it (contracts/seeds.py).
+                sampling = Sampling(temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
+                groups = run_grouped(agent, tasks, cfg.group_size, sampling, concurrency=len(tasks) * cfg.group_size,
+                                     draws=[first + i for i in range(len(tasks))])
                 t_sample = time.perf_counter() - t0
 
                 # 2. Score, then advantages within each group; runs that tie their group carry no signal.

@@ -33,6 +33,7 @@ from ..contracts import (
     WorkerManifest,
 )
 from ..contracts.base import ID_MAX_LENGTH, ID_PATTERN
+from ..contracts.seeds import job_seed
 from ..gate.integrity import load_signing_key, public_key_b64
 from .heartbeat import Heartbeater, run_renewing
 from .host import EngineIdentity, HostError, ReloadRefused, ReloadUnverified
@@ -106,11 +107,6 @@ def task_problem(task: TaskSpec) -> str | None:
     except (VerifierConfigError, UnsafeTaskPath) as exc:
         return str(exc)
     return None
-
-
-def job_seed(job_id: str) -> int:
-    """A job without a seed still samples the same way on every worker that runs it."""
-    return int(hashlib.sha256(job_id.encode()).hexdigest()[:8], 16)
 
 
 class EventLog:

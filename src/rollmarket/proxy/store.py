@@ -29,6 +29,7 @@ from typing import Any
 
 from ..contracts.capture import Capture, ConversationSource
 from ..contracts.wire import packb, unpackb
+from ..sqlite_commit import batches, commit_each, connect
 from .capture import CaptureDraft, build_capture
 from .linking import prefix_hash
 
@@ -74,15 +75,7 @@ CREATE TABLE IF NOT EXISTS responses (
 
 
 def _connect(path: Path, synchronous: str, *, readonly: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA busy_timeout = 30000")
-    if readonly:
-        conn.execute("PRAGMA query_only = 1")
-    else:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {synchronous}")
-    return conn
+    return connect(path, synchronous, readonly=readonly)
 
 
 class _LoopFuture:
@@ -199,48 +192,25 @@ class CaptureStore:
         conn = _connect(self.path, self.synchronous)
         conn.execute("PRAGMA wal_autocheckpoint = 0")  # the checkpointer thread does it
         try:
-            while True:
-                item = self._queue.get()
-                if item is self._STOP:
-                    return
-                batch = [item]
-                stopping = False
-                while len(batch) < self.batch_max:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is self._STOP:
-                        stopping = True
-                        break
-                    batch.append(item)
+            for batch in batches(self._queue, self.batch_max, self._STOP):
                 self._write_batch(conn, batch)
-                if stopping:
-                    return
         finally:
             conn.close()
 
+    def _insert_logged(self, draft: CaptureDraft):
+        def insert(conn: sqlite3.Connection) -> Capture:
+            try:
+                return self._insert(conn, draft)
+            except Exception:
+                log.exception("capture of %s could not be stored", draft.endpoint)
+                raise
+        return insert
+
     def _write_batch(self, conn: sqlite3.Connection, batch: list) -> None:
-        outcomes = []
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for draft, future in batch:
-                conn.execute("SAVEPOINT op")
-                try:
-                    capture = self._insert(conn, draft)
-                except Exception as exc:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    log.exception("capture of %s could not be stored", draft.endpoint)
-                    outcomes.append((future, None, exc))
-                else:
-                    conn.execute("RELEASE op")
-                    outcomes.append((future, capture, None))
-            conn.execute("COMMIT")
+            results = commit_each(conn, [self._insert_logged(draft) for draft, _ in batch])
         except Exception as exc:
             log.exception("capture batch of %d failed; rolled back", len(batch))
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
             self.failed += len(batch)
             for _, future in batch:
                 if isinstance(future, _LoopFuture):
@@ -248,6 +218,7 @@ class CaptureStore:
                 else:
                     future.set_exception(exc)
             return
+        outcomes = [(future, capture, exc) for (_, future), (capture, exc) in zip(batch, results)]
         self.batches += 1
         # Resolve only after COMMIT: a resolved future means the capture is in the file.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ...sqlite_commit import batches, commit_each, connect
 from ..settings import ExchangeSettings
 from .sql import Refusal, SqlStore, dumps
 
@@ -166,16 +167,7 @@ CREATE INDEX IF NOT EXISTS audit_subject ON audit (subject, seq);
 
 
 def _connect(path: Path, synchronous: str, *, readonly: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
-    conn.row_factory = sqlite3.Row
-    conn.execute("PRAGMA busy_timeout = 30000")
-    if readonly:
-        conn.execute("PRAGMA query_only = 1")
-    else:
-        conn.execute("PRAGMA journal_mode = WAL")
-        conn.execute(f"PRAGMA synchronous = {synchronous}")
-        conn.execute("PRAGMA foreign_keys = ON")
-    return conn
+    return connect(path, synchronous, readonly=readonly, foreign_keys=True)
 
 
 class _Writer:
@@ -219,59 +211,26 @@ class _Writer:
             self._ready.set()
             return
         self._ready.set()
-        stopping = False
-        while not stopping:
-            item = self._queue.get()
-            if item is self._STOP:
-                break
-            batch = [item]
-            while len(batch) < self._batch_max:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is self._STOP:
-                    stopping = True
-                    break
-                batch.append(nxt)
+        for batch in batches(self._queue, self._batch_max, self._STOP):
             self._run_batch(conn, batch)
         conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list) -> None:
-        outcomes = []
+        runnable = [(fn, future) for fn, future in batch if future.set_running_or_notify_cancel()]
         try:
-            conn.execute("BEGIN IMMEDIATE")
-            for fn, future in batch:
-                if not future.set_running_or_notify_cancel():
-                    continue
-                conn.execute("SAVEPOINT op")
-                try:
-                    result = fn(conn)
-                except Refusal as refusal:
-                    conn.execute("RELEASE op")
-                    outcomes.append((future, None, refusal.fault))
-                except BaseException as exc:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    outcomes.append((future, None, exc))
-                else:
-                    conn.execute("RELEASE op")
-                    outcomes.append((future, result, None))
-            conn.execute("COMMIT")
+            outcomes = commit_each(conn, [fn for fn, _ in runnable],
+                                   kept=lambda exc: exc.fault if isinstance(exc, Refusal) else None)
         except BaseException as exc:
-            log.exception("write batch failed; rolling back %d operations", len(batch))
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            for _, future in batch:
-                if future.running():
-                    future.set_exception(exc)
+            log.exception("write batch failed; rolled back %d operations", len(runnable))
+            for _, future in runnable:
+                future.set_exception(exc)
             return
         self.batches += 1
         self.operations += len(outcomes)
         if self._on_batch is not None:
             self._on_batch(len(outcomes))
         # Answer only after COMMIT: an acknowledged write is durable.
-        for future, result, exc in outcomes:
+        for (_, future), (result, exc) in zip(runnable, outcomes):
             if exc is None:
                 future.set_result(result)
             else:

@@ -97,7 +97,7 @@ class ArraySpec:
             array = array.astype(target)
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
-        root = array
+        root: object = array
         while isinstance(root, np.ndarray):
             root = root.base
         if array is value and not isinstance(root, bytes):

@@ -10,6 +10,7 @@ length, or a list or map without a maximum size.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, StringConstraints
@@ -101,7 +102,7 @@ def check_json_data(value: Any) -> Any:
                     if not isinstance(key, str) or len(key) > MAX_KEY_LENGTH:
                         raise _refuse("a map key that is not a string of at most {limit} characters",
                                       limit=MAX_KEY_LENGTH)
-                children = item.values()
+                children: Iterable[Any] = item.values()
             else:
                 children = item
             stack.extend((child, depth + 1) for child in children)

@@ -130,8 +130,10 @@ def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set = set()
-        duplicate = next(key for key, _ in pairs if key in seen or seen.add(key))
-        raise WireError(f"duplicate key {str(duplicate)[:64]!r} in one map")
+        for key, _ in pairs:
+            if key in seen:
+                raise WireError(f"duplicate key {str(key)[:64]!r} in one map")
+            seen.add(key)
     return out
 
 

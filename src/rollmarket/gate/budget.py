@@ -65,18 +65,16 @@ def budget_from_arrays(
     common = dict(group_id=group_id, n_tokens=s.n_tokens, n_sequences=n_sequences, clamp=config.clamp,
                   router_flip_rate=router_flip_rate, policy_lag_steps=policy_lag_steps, rollout_corr=rollout_corr)
     if s.n_tokens == 0:  # nothing is off-policy
-        return BudgetReport(
-            **common, token_ess=1.0, sequence_ess=1.0, mean_delta=0.0, mean_abs_delta=0.0,
-            max_abs_delta=0.0, clipped_fraction=0.0, veto_fraction=0.0, second_moment=1.0,
-            top1pct_mass=0.0, kl_k1=0.0, kl_k3=0.0, chi2=0.0, mean_prob_diff=0.0,
-        )
-    return BudgetReport(
-        **common, token_ess=s.token_ess, sequence_ess=s.sequence_ess, mean_delta=s.mean_delta,
-        mean_abs_delta=s.mean_abs_delta, max_abs_delta=s.max_abs_delta,
-        clipped_fraction=s.clipped_fraction, veto_fraction=s.veto_fraction,
-        second_moment=s.second_moment, top1pct_mass=s.top1pct_gradient_mass, kl_k1=s.kl_k1,
-        kl_k3=s.kl_k3, chi2=s.chi2, mean_prob_diff=s.mean_prob_diff,
-    )
+        return BudgetReport.model_validate(common | dict(
+            token_ess=1.0, sequence_ess=1.0, mean_delta=0.0, mean_abs_delta=0.0, max_abs_delta=0.0,
+            clipped_fraction=0.0, veto_fraction=0.0, second_moment=1.0, top1pct_mass=0.0, kl_k1=0.0, kl_k3=0.0,
+            chi2=0.0, mean_prob_diff=0.0))
+    # With tokens every statistic is a number (DenseSummary has None only for n_tokens = 0).
+    return BudgetReport.model_validate(common | dict(
+        token_ess=s.token_ess, sequence_ess=s.sequence_ess, mean_delta=s.mean_delta,
+        mean_abs_delta=s.mean_abs_delta, max_abs_delta=s.max_abs_delta, clipped_fraction=s.clipped_fraction,
+        veto_fraction=s.veto_fraction, second_moment=s.second_moment, top1pct_mass=s.top1pct_gradient_mass,
+        kl_k1=s.kl_k1, kl_k3=s.kl_k3, chi2=s.chi2, mean_prob_diff=s.mean_prob_diff))
 
 
 def router_flip_rate(
@@ -130,8 +128,8 @@ def budget_report(
         seq_parts.append(np.full(int(valid_T.sum()), index, dtype=np.int64))
     flip = None
     if trainer_routed_experts is not None:
-        rollout_experts = [t.routed_experts for t in group.trajectories]
-        if any(e is None for e in rollout_experts):
+        rollout_experts = [t.routed_experts for t in group.trajectories if t.routed_experts is not None]
+        if len(rollout_experts) != len(group.trajectories):
             raise ValueError("trainer routed experts given but the group has none")
         flip = router_flip_rate(rollout_experts, trainer_routed_experts, masks)
     return budget_from_arrays(

@@ -79,7 +79,9 @@ def sign_hash(digest_hex: str, key: Ed25519PrivateKey) -> str:
 def sign_group(group: SampleGroup, key: Ed25519PrivateKey) -> SampleGroup:
     """A sealed copy of the group (content hash filled in) carrying its signature."""
     sealed = group.sealed()
-    return sealed.model_copy(update={"signature": sign_hash(sealed.content_hash, key)})
+    digest = sealed.content_hash
+    assert digest is not None  # sealed() fills it in
+    return sealed.model_copy(update={"signature": sign_hash(digest, key)})
 
 
 def load_public_key(public_key_b64_text: str) -> Ed25519PublicKey:

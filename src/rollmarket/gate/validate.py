@@ -49,7 +49,9 @@ def check_group(group: SampleGroup, config: GateConfig = GateConfig()) -> list[F
     # by sample to say where. Most groups are fine, and this keeps numpy calls per group constant.
     if len(shaped) != len(group.trajectories) or not _values_ok(group.trajectories, config):
         for index in shaped:
-            _check_values(group.trajectories[index], index, config, findings)
+            t = group.trajectories[index]
+            if t.logprobs is not None:  # a shaped sample has them (_check_structure)
+                _check_values(t, t.logprobs, index, config, findings)
     if group.content_hash is None:
         findings.append(Finding(RejectionReason.hash_mismatch, "content_hash is missing"))
     elif group.content_hash != content_hash(group):
@@ -108,15 +110,16 @@ def _values_ok(trajectories: list[Trajectory], config: GateConfig) -> bool:
     return True
 
 
-def _check_values(t: Trajectory, index: int, config: GateConfig, findings: list[Finding]) -> None:
+def _check_values(t: Trajectory, logprobs_T: np.ndarray, index: int, config: GateConfig,
+                  findings: list[Finding]) -> None:
     add = findings.append
     action_T = None if t.action_mask is None else t.action_mask.astype(bool)
-    finite_T = np.isfinite(t.logprobs)
+    finite_T = np.isfinite(logprobs_T)
     if not finite_T.all():
         bad = int(np.flatnonzero(~finite_T)[0])
         add(Finding(RejectionReason.non_finite_logprobs,
-                    f"logprob at position {bad} is {t.logprobs[bad]}", index))
-    sampled = t.logprobs if action_T is None else t.logprobs[action_T]
+                    f"logprob at position {bad} is {logprobs_T[bad]}", index))
+    sampled = logprobs_T if action_T is None else logprobs_T[action_T]
     sampled = sampled[np.isfinite(sampled)]
     if sampled.size and float(sampled.max()) > config.logprob_tolerance:
         add(Finding(RejectionReason.logprob_out_of_range,

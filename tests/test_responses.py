@@ -331,11 +331,12 @@ def test_both_ways_of_continuing_serve_the_same_prompts(server):
     assert [a.previous_response_id for a in by_id] == [None, by_id[0].id, by_id[1].id]
 
 
-def test_the_oldest_stored_responses_go_first():
+@pytest.mark.parametrize("in_file", [False, True], ids=["memory", "sqlite"])
+def test_the_oldest_stored_responses_go_first(tmp_path, in_file):
     from rollmarket.serve.protocol import OpenAIError
     from rollmarket.serve.responses import StoredResponses
 
-    stored = StoredResponses(2)
+    stored = StoredResponses(2, tmp_path / "responses.db" if in_file else None)
     for k in range(3):
         stored.put(f"resp_{k}", [{"role": "user", "content": str(k)}])
     assert stored.get("resp_2") == [{"role": "user", "content": "2"}] and stored.get("resp_1")
@@ -346,6 +347,25 @@ def test_the_oldest_stored_responses_go_first():
     nothing.put("resp_0", [])
     with pytest.raises(OpenAIError):
         nothing.get("resp_0")
+
+
+def test_a_conversation_continues_across_a_kill_9_with_responses_db(workdir, tokenizer):
+    """With --responses-db, a response answered before the server was killed -9 is found by the
+    restarted server, whose next turn is served the whole conversation (the same prompt as a
+    conversation that never restarted)."""
+    port = free_port()
+    process = ServiceProcess([sys.executable, "-m", "rollmarket", "serve-model", str(DENSE), "--port", str(port),
+                              "--precision", "fp32", "--device", "cpu", "--responses-db",
+                              str(workdir / "responses.db")], workdir / "restarted.log", port,
+                             env={"OMP_NUM_THREADS": "1"})
+    try:
+        first = client(process.start(timeout=180).url).responses.create(input=QUESTIONS[0], **LINKED)
+        process.kill()
+        process.start(timeout=180)
+        second = client(process.url).responses.create(input=QUESTIONS[1], previous_response_id=first.id, **LINKED)
+    finally:
+        process.stop()
+    assert training_fields(second.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, _said([first], 1))
 
 
 def test_an_unknown_or_unstored_previous_response_is_a_404_that_changes_nothing(proxy, server):

@@ -94,7 +94,7 @@ class ModelServer:
         self.batcher = Batcher(engine, max_seqs=settings.max_batch_seqs,
                                window_s=settings.batch_window_ms / 1000.0, profile_path=settings.profile_decode)
         self.created = int(time.time())
-        self.stored = StoredResponses(settings.responses_kept)
+        self.stored = StoredResponses(settings.responses_kept, settings.responses_db)
 
     # ---- request → engine work -------------------------------------------------------------
 
@@ -241,6 +241,7 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
             yield
         finally:
             server.batcher.stop()
+            server.stored.close()
 
     app = FastAPI(title="rollmarket model server", version="1", lifespan=lifespan,
                   description="OpenAI-compatible chat and completions with vLLM's RL extensions. Every "

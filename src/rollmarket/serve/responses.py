@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from ..contracts.responses import ResponsesInputError, input_messages
+from ..sqlite_commit import connect
 from .choice import ChoiceState
 from .protocol import OpenAIError, ResponsesRequest
 
@@ -33,14 +36,30 @@ class StoredResponses:
     Each holds the chat messages of its turns (input and output, without the instructions, which
     OpenAI does not carry over to the next response). The oldest go first beyond `capacity`; an
     id that is gone, or never was, is a 404 in OpenAI's shape.
+
+    In memory by default; with `path`, in that SQLite file (WAL): a response is in the file before
+    its answer leaves, so a conversation continues across a restart of the server, kill -9
+    included.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, path: Path | None = None):
         self.capacity = capacity
         self._turns: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._db = None
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = connect(path, "NORMAL")
+            self._db.execute("CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                             "response_id TEXT NOT NULL UNIQUE, turns TEXT NOT NULL)")
 
     def get(self, rid: str) -> list[dict[str, Any]]:
-        turns = self._turns.get(rid)
+        if self._db is None:
+            turns = self._turns.get(rid)
+        else:
+            with self._lock:
+                row = self._db.execute("SELECT turns FROM responses WHERE response_id = ?", (rid,)).fetchone()
+            turns = None if row is None else json.loads(row[0])
         if turns is None:
             raise OpenAIError(f"Previous response with id '{rid}' not found.", status=404,
                               param="previous_response_id", code="previous_response_not_found")
@@ -49,9 +68,26 @@ class StoredResponses:
     def put(self, rid: str, turns: list[dict[str, Any]]) -> None:
         if self.capacity < 1:
             return
-        self._turns[rid] = turns
-        while len(self._turns) > self.capacity:
-            self._turns.popitem(last=False)
+        if self._db is None:
+            self._turns[rid] = turns
+            while len(self._turns) > self.capacity:
+                self._turns.popitem(last=False)
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                seq = self._db.execute("INSERT INTO responses (response_id, turns) VALUES (?, ?)",
+                                       (rid, json.dumps(turns))).lastrowid
+                self._db.execute("DELETE FROM responses WHERE seq <= ?", (seq - self.capacity,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
 
 def input_turns(req: ResponsesRequest) -> list[dict[str, Any]]:

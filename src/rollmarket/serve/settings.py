@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -27,6 +29,9 @@ class ServeSettings(BaseModel):
     max_top_logprobs: int = Field(20, ge=0, description="Largest top_logprobs a request may ask for.")
     responses_kept: int = Field(
         1024, ge=0, description="Stored responses kept for previous_response_id (the oldest go first); 0 keeps none.")
+    responses_db: Path | None = Field(
+        None, description="SQLite file of the stored responses: previous_response_id then works across a restart "
+                          "(kill -9 included); unset keeps them in memory.")
     profile_decode: str | None = Field(
         None, description="Write cProfile statistics of the decode thread to this file when the server stops "
                           "(where a decode step's CPU time goes; read them with python -m pstats).")

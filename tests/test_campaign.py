@@ -236,8 +236,11 @@ def test_a_campaign_killed_with_sigkill_resumes(tmp_path):
             jobs[seed] = sorted((int(b["job_id"].split("-s")[-1].split("-")[0]), int(b["job_id"].rsplit("-", 1)[1]),
                                  b["task"]["task_id"], b["sampling_config"]["seed"]) for b in bodies)
             assert [(step, i) for step, i, _, _ in jobs[seed]] == [(s, i) for s in (1, 2, 3) for i in (0, 1)]
-            for step, i, _, sampling_seed in jobs[seed]:
-                assert sampling_seed == int(hashlib.sha256(f"{seed}:{step}:{i}".encode()).hexdigest()[:8], 16)
+            for step, i, task_id, sampling_seed in jobs[seed]:
+                # The seed rule of docs/contracts.md "Seeds": the job's draw is its index in the run.
+                draw = (step - 1) * 2 + i
+                digest = hashlib.sha256(f"task:{seed}:{task_id}:{draw}".encode()).digest()
+                assert sampling_seed == int.from_bytes(digest[:4], "big") % 2**31
             samples[seed] = {(g["step"], g["task_id"], g["sample_index"]): g["response"]
                              for g in jsonl(run_dir / "generations.jsonl")}
         assert [j[2] for j in jobs[1]] == [j[2] for j in jobs[2]], "same tasks in the same order"

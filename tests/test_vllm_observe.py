@@ -67,7 +67,9 @@ def test_the_vllm_row_is_in_the_matrix_against_our_trainer_engines(observed):
         expected = dense_summary(view.logprobs_T, scored.logprobs_T, mask=valid)
         report = dense[layout.trajectory_id(agent_run.task_id, agent_run.sample_index)]
         assert report.n_tokens == expected.n_tokens > 0
-        assert report.mean_abs_delta == pytest.approx(expected.mean_abs_delta, rel=1e-5, abs=1e-7)
+        # The observatory scores the runs as one padded batch, this check one sequence at a time: at
+        # fp32 the summation order moves a logprob by ~1e-7 relative (up to ~1e-6 on a mean of 0.01).
+        assert report.mean_abs_delta == pytest.approx(expected.mean_abs_delta, rel=1e-4, abs=1e-6)
         # vLLM samples in bf16: its logprobs are near fp32's, not equal.
         assert 0 < report.mean_abs_delta < 1.0
 

@@ -230,11 +230,11 @@ class _Writer:
         if self._on_batch is not None:
             self._on_batch(len(outcomes))
         # Answer only after COMMIT: an acknowledged write is durable.
-        for (_, future), (result, exc) in zip(runnable, outcomes):
-            if exc is None:
+        for (_, future), (result, error) in zip(runnable, outcomes):
+            if error is None:
                 future.set_result(result)
             else:
-                future.set_exception(exc)
+                future.set_exception(error)
 
 
 class SqliteStore(SqlStore):

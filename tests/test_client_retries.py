@@ -345,3 +345,15 @@ def test_wait_for_exchange_finds_the_replica_that_answers(exchange):
     with WorkerClient([closed, f"http://127.0.0.1:{free_port()}"]) as worker:
         with pytest.raises(ExchangeUnreachable, match=closed):
             worker.http.wait_for_exchange(1.0)
+
+
+def test_a_worker_client_that_never_registered_says_so():
+    """Building a group, acking a reload or naming the worker before `register` (or `manifest=`) is one
+    clear ExchangeError, not an AttributeError from deep inside the client."""
+    from rollmarket.client import ExchangeError
+
+    client = WorkerClient(f"http://127.0.0.1:{free_port()}", "token")
+    for attempt in (lambda: client.worker_id, lambda: client.ack_reload(0, "0" * 64)):
+        with pytest.raises(ExchangeError, match="register first"):
+            attempt()
+    client.close()

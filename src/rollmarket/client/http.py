@@ -37,6 +37,7 @@ from tenacity import (
     stop_after_delay,
     wait_exponential_jitter,
 )
+from tenacity.stop import stop_base
 
 from ..contracts.wire import JSON, MSGPACK, packb, unpackb
 from .errors import ExchangeUnavailable, ExchangeUnreachable, error_for
@@ -67,8 +68,10 @@ def exchange_urls(urls: str | Sequence[str]) -> tuple[str, ...]:
     return cleaned
 
 
-def describe(exc: BaseException) -> str:
+def describe(exc: BaseException | None) -> str:
     """A short reason for a failed contact, for one log line: 'connection refused', 'HTTP 503'."""
+    if exc is None:
+        return "no error"
     if isinstance(exc, _RetryableStatus):
         return str(exc)
     if isinstance(exc, httpx.ConnectError):
@@ -81,6 +84,20 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return f"timed out ({type(exc).__name__})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class _StopWhenSet(stop_base):
+    """Stop retrying once `event` is set (never, without one)."""
+
+    def __init__(self, event: threading.Event | None):
+        self.event = event
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.event is not None and self.event.is_set()
+
+
+def _last_error(state: RetryCallState) -> BaseException | None:
+    return state.outcome.exception() if state.outcome is not None else None
 
 
 class HttpClient:
@@ -191,7 +208,7 @@ class HttpClient:
 
         def note(state: RetryCallState) -> None:
             log.debug("retrying %s %s in %.2fs after %s", method, path, state.upcoming_sleep,
-                      describe(state.outcome.exception()))
+                      describe(_last_error(state)))
 
         retrying = Retrying(
             stop=stop_after_attempt(self.retries + len(self.urls)) | stop_after_delay(self.retry_total_s),
@@ -233,16 +250,19 @@ class HttpClient:
             if now - said[0] >= say_every_s:
                 said[0] = now
                 log.warning("waiting for the exchange at %s (%s); retrying in %.0fs", ", ".join(self.urls),
-                            describe(state.outcome.exception()), max(state.upcoming_sleep, 1.0))
+                            describe(_last_error(state)), max(state.upcoming_sleep, 1.0))
 
-        def stopped(state: RetryCallState) -> bool:
-            return stop is not None and stop.is_set()
+        def pause(seconds: float) -> None:
+            if stop is not None:
+                stop.wait(seconds)
+            else:
+                time.sleep(seconds)
 
         retrying = Retrying(
-            stop=stop_after_delay(give_up_after_s) | stopped,
+            stop=stop_after_delay(give_up_after_s) | _StopWhenSet(stop),
             wait=self._round_wait(wait_exponential_jitter(multiplier=0.2, max=5.0, jitter=0.5)),
             retry=retry_if_exception(lambda exc: isinstance(exc, (httpx.TransportError, _RetryableStatus))),
-            before_sleep=say, reraise=True, sleep=stop.wait if stop is not None else time.sleep,
+            before_sleep=say, reraise=True, sleep=pause,
         )
         try:
             retrying(healthy)

@@ -48,9 +48,13 @@ class WorkerClient:
 
     @property
     def worker_id(self) -> str:
+        return self.registered().worker_id
+
+    def registered(self) -> WorkerManifest:
+        """This worker's manifest; an ExchangeError before `register` (or `manifest=`)."""
         if self.manifest is None:
             raise ExchangeError("register first (or pass manifest=) so the client knows its worker id")
-        return self.manifest.worker_id
+        return self.manifest
 
     def close(self) -> None:
         self.http.close()
@@ -87,7 +91,7 @@ class WorkerClient:
         """A group for `grant` with provenance filled in from the lease and this worker's manifest."""
         if grant.lease is None or grant.job is None or grant.policy is None:
             raise ExchangeError("the grant holds no lease")
-        manifest = self.manifest
+        manifest = self.registered()
         req = grant.lease.requirements
         fields = dict(
             job_id=grant.lease.job_id, lease_id=grant.lease.lease_id, worker_id=self.worker_id,
@@ -108,7 +112,9 @@ class WorkerClient:
         if group.content_hash is None:
             group = group.sealed()
         if self.signing_key is not None and group.signature is None:
-            group = group.model_copy(update={"signature": sign_hash(group.content_hash, self.signing_key)})
+            digest = group.content_hash
+            assert digest is not None  # sealed() fills it in
+            group = group.model_copy(update={"signature": sign_hash(digest, self.signing_key)})
         return group
 
     def submit(self, group: SampleGroup) -> SubmissionReceipt:
@@ -130,7 +136,7 @@ class WorkerClient:
     def ack_reload(self, policy_version: int, checkpoint_digest: str, *, engine_fingerprint: str | None = None,
                    load_seconds: float = 0.0) -> ReloadStatus:
         """Tell the exchange this worker now runs `policy_version`."""
-        fingerprint = engine_fingerprint or self.loaded_fingerprint or self.manifest.engine_fingerprint
+        fingerprint = engine_fingerprint or self.loaded_fingerprint or self.registered().engine_fingerprint
         ack = ReloadAck(worker_id=self.worker_id, policy_version=policy_version,
                         checkpoint_digest=checkpoint_digest, engine_fingerprint=fingerprint,
                         load_seconds=load_seconds)

@@ -66,7 +66,9 @@ class BodyGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: another thread of the process (a rollout engine's decode thread) may use
+            # the GPU while this one captures; "global" would turn its calls into capture errors.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 hidden_BSH = self.forward(ids_static_BS)
         except RuntimeError as exc:  # something in the forward syncs with the host or allocates pinned memory
             raise GraphUnavailable(f"the body could not be captured as a CUDA graph: {exc}") from exc

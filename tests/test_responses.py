@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import transformers
@@ -338,15 +339,37 @@ def test_the_oldest_stored_responses_go_first(tmp_path, in_file):
 
     stored = StoredResponses(2, tmp_path / "responses.db" if in_file else None)
     for k in range(3):
-        stored.put(f"resp_{k}", [{"role": "user", "content": str(k)}])
+        stored.put(f"resp_{k}", [{"role": "user", "content": str(k)}], {"id": f"resp_{k}"})
     assert stored.get("resp_2") == [{"role": "user", "content": "2"}] and stored.get("resp_1")
     with pytest.raises(OpenAIError) as caught:
         stored.get("resp_0")
     assert (caught.value.status, caught.value.code) == (404, "previous_response_not_found")
     nothing = StoredResponses(0)
-    nothing.put("resp_0", [])
+    nothing.put("resp_0", [], {})
     with pytest.raises(OpenAIError):
         nothing.get("resp_0")
+
+
+def test_a_stored_response_is_retrieved_as_answered_and_deleted(server):
+    """OpenAI's client: `responses.retrieve` gives back the Response object as it was answered (token
+    fields included); `responses.delete` forgets it, after which retrieving or continuing it is a
+    404 and deleting it again is one too."""
+    c = client(server.url)
+    answer = c.responses.create(input=QUESTIONS[0], **LINKED)
+    assert c.responses.retrieve(answer.id).model_dump() == answer.model_dump()
+    c.responses.delete(answer.id)
+    for again in (lambda: c.responses.retrieve(answer.id), lambda: c.responses.delete(answer.id),
+                  lambda: c.responses.create(input=QUESTIONS[1], previous_response_id=answer.id, **LINKED)):
+        with pytest.raises(openai.NotFoundError):
+            again()
+    unstored = c.responses.create(input=QUESTIONS[0], store=False, **LINKED)
+    with pytest.raises(openai.NotFoundError) as caught:
+        c.responses.retrieve(unstored.id)
+    assert caught.value.body["message"] == f"Response with id '{unstored.id}' not found."
+    # The deletion's own answer, in OpenAI's shape (the client returns nothing of it).
+    other = c.responses.create(input=QUESTIONS[0], **LINKED)
+    gone = httpx.delete(f"{server.url}/v1/responses/{other.id}", timeout=30)
+    assert (gone.status_code, gone.json()) == (200, {"id": other.id, "object": "response", "deleted": True})
 
 
 def test_a_conversation_continues_across_a_kill_9_with_responses_db(workdir, tokenizer):
@@ -363,6 +386,7 @@ def test_a_conversation_continues_across_a_kill_9_with_responses_db(workdir, tok
         process.kill()
         process.start(timeout=180)
         second = client(process.url).responses.create(input=QUESTIONS[1], previous_response_id=first.id, **LINKED)
+        assert client(process.url).responses.retrieve(first.id).model_dump() == first.model_dump()
     finally:
         process.stop()
     assert training_fields(second.output[-1])["prompt_token_ids"] == chat_ids(tokenizer, _said([first], 1))

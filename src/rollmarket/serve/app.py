@@ -412,10 +412,11 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
             c = choices[0]
             items, status = output_items(c, prompt=prompt, logprob_entries=logprob_entries() if want_logprobs else None,
                                          token_ids=req.return_token_ids, experts=moe)
+            answer = response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=items,
+                                   status=status, output_tokens=len(c.token_ids))
             if req.store:  # the next turn may name this one; what it said is read as its input would be
-                server.stored.put(rid, [*turns, *input_messages(items)])
-            return response_body(req, rid=rid, created=created, model=server.name, prompt=prompt, items=items,
-                                 status=status, output_tokens=len(c.token_ids))
+                server.stored.put(rid, [*turns, *input_messages(items)], answer)
+            return answer
 
         def delta_tokens(start: int) -> dict:
             """The per-token fields of a stream delta: the tokens from `start` on."""
@@ -434,6 +435,17 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         async for _ in server.run(pending, choices):
             pass
         return JSONResponse(body())
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str):
+        """A stored Response object, as it was answered (OpenAI's `responses.retrieve`)."""
+        return JSONResponse(await asyncio.to_thread(server.stored.body, response_id))
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str):
+        """Forget a stored response (OpenAI's `responses.delete`): it can no longer be retrieved or continued."""
+        await asyncio.to_thread(server.stored.delete, response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest), responses=_ERRORS)
     async def completions(request: Request):

@@ -31,11 +31,12 @@ different conversation, so they are refused."""
 
 
 class StoredResponses:
-    """The conversations of the latest stored responses, by id, for `previous_response_id`.
+    """The latest stored responses, by id: each one's conversation, for `previous_response_id`, and
+    its whole Response object, for `GET /v1/responses/{id}`.
 
-    Each holds the chat messages of its turns (input and output, without the instructions, which
-    OpenAI does not carry over to the next response). The oldest go first beyond `capacity`; an
-    id that is gone, or never was, is a 404 in OpenAI's shape.
+    A conversation holds the chat messages of its turns (input and output, without the
+    instructions, which OpenAI does not carry over to the next response). The oldest go first
+    beyond `capacity`; an id that is gone, deleted, or never was, is a 404 in OpenAI's shape.
 
     In memory by default; with `path`, in that SQLite file (WAL): a response is in the file before
     its answer leaves, so a conversation continues across a restart of the server, kill -9
@@ -44,45 +45,63 @@ class StoredResponses:
 
     def __init__(self, capacity: int, path: Path | None = None):
         self.capacity = capacity
-        self._turns: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = OrderedDict()
         self._db = None
         self._lock = threading.Lock()
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._db = connect(path, "NORMAL")
             self._db.execute("CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                             "response_id TEXT NOT NULL UNIQUE, turns TEXT NOT NULL)")
+                             "response_id TEXT NOT NULL UNIQUE, turns TEXT NOT NULL, body TEXT NOT NULL)")
 
-    def get(self, rid: str) -> list[dict[str, Any]]:
+    def _find(self, rid: str, param: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if self._db is None:
-            turns = self._turns.get(rid)
+            found = self._kept.get(rid)
         else:
             with self._lock:
-                row = self._db.execute("SELECT turns FROM responses WHERE response_id = ?", (rid,)).fetchone()
-            turns = None if row is None else json.loads(row[0])
-        if turns is None:
-            raise OpenAIError(f"Previous response with id '{rid}' not found.", status=404,
-                              param="previous_response_id", code="previous_response_not_found")
-        return turns
+                row = self._db.execute("SELECT turns, body FROM responses WHERE response_id = ?", (rid,)).fetchone()
+            found = None if row is None else (json.loads(row[0]), json.loads(row[1]))
+        if found is None:
+            what = "Previous response" if param == "previous_response_id" else "Response"
+            raise OpenAIError(f"{what} with id '{rid}' not found.", status=404, param=param,
+                              code="previous_response_not_found" if param == "previous_response_id" else None)
+        return found
 
-    def put(self, rid: str, turns: list[dict[str, Any]]) -> None:
+    def get(self, rid: str) -> list[dict[str, Any]]:
+        """The conversation a request naming `rid` as `previous_response_id` continues."""
+        return self._find(rid, "previous_response_id")[0]
+
+    def body(self, rid: str) -> dict[str, Any]:
+        """The Response object as it was answered (`GET /v1/responses/{id}`)."""
+        return self._find(rid, "response_id")[1]
+
+    def put(self, rid: str, turns: list[dict[str, Any]], body: dict[str, Any]) -> None:
         if self.capacity < 1:
             return
         if self._db is None:
-            self._turns[rid] = turns
-            while len(self._turns) > self.capacity:
-                self._turns.popitem(last=False)
+            self._kept[rid] = (turns, body)
+            while len(self._kept) > self.capacity:
+                self._kept.popitem(last=False)
             return
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                seq = self._db.execute("INSERT INTO responses (response_id, turns) VALUES (?, ?)",
-                                       (rid, json.dumps(turns))).lastrowid
+                seq = self._db.execute("INSERT INTO responses (response_id, turns, body) VALUES (?, ?, ?)",
+                                       (rid, json.dumps(turns), json.dumps(body))).lastrowid
                 self._db.execute("DELETE FROM responses WHERE seq <= ?", (seq - self.capacity,))
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def delete(self, rid: str) -> None:
+        """Forget `rid` (a 404 when it is not held): later requests naming it are 404s."""
+        self._find(rid, "response_id")
+        if self._db is None:
+            self._kept.pop(rid, None)
+            return
+        with self._lock:
+            self._db.execute("DELETE FROM responses WHERE response_id = ?", (rid,))
 
     def close(self) -> None:
         if self._db is not None:

@@ -64,8 +64,8 @@ test: venv-test vllm browser sandbox postgres lint
 lint: venv-test
 	$(BIN)/ruff check src tests benchmarks experiments docs
 	$(BIN)/lint-imports
-	$(BIN)/mypy src/rollmarket/contracts src/rollmarket/gate src/rollmarket/client src/rollmarket/localhost.py \
-	  src/rollmarket/runs.py src/rollmarket/sqlite_commit.py
+	$(BIN)/mypy src/rollmarket/contracts src/rollmarket/gate src/rollmarket/client src/rollmarket/exchange \
+	  src/rollmarket/localhost.py src/rollmarket/runs.py src/rollmarket/sqlite_commit.py
 
 # The GPU tests (the fused kernel and the learner head against float64, batched sampling, the
 # server's batcher, CUDA graphs of the body: the files gpu_run.sh's tests step runs) where CUDA exists; on

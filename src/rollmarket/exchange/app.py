@@ -183,7 +183,7 @@ class _Boundary:
             await response(scope, receive, send)
 
 
-_ERRORS = {status: {"model": ErrorBody, "description": text} for status, text in (
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"model": ErrorBody, "description": text} for status, text in (
     (400, "Malformed body"), (401, "Missing or invalid token"), (403, "Not allowed for this token"),
     (404, "Not found"), (409, "Conflict"), (413, "Payload too large"), (415, "Unsupported media type"),
     (422, "Invalid or rejected"), (503, "The database is unavailable; try again"),
@@ -226,16 +226,23 @@ class _Timing:
             metrics.requests.labels(path, scope["method"], str(status[0])).inc()
 
 
-def _fetched(stored: StoredGroup, active: int | None, *, as_msgpack: bool) -> dict[str, Any] | FetchedGroup:
-    fields = {
+def _fetched_fields(stored: StoredGroup, active: int | None) -> dict[str, Any]:
+    return {
         "tier": stored.tier, "status": stored.status,
         "received_at": _utc(stored.received_at), "lag_at_arrival": stored.lag_at_arrival,
         "current_lag": max(0, (active or 0) - stored.policy_version), "served_count": stored.served_count,
     }
-    if as_msgpack:
-        # Stored bytes go out as they came in: no decode, no re-encode on the hot path.
-        return {"group": embed(stored.payload), **{k: v.value if isinstance(v, Tier) else v for k, v in fields.items()}}
-    return FetchedGroup(group=SampleGroup.model_validate(unpackb(stored.payload)), **fields)
+
+
+def _fetched_msgpack(stored: StoredGroup, active: int | None) -> dict[str, Any]:
+    # Stored bytes go out as they came in: no decode, no re-encode on the hot path.
+    fields = _fetched_fields(stored, active)
+    return {"group": embed(stored.payload), **{k: v.value if isinstance(v, Tier) else v for k, v in fields.items()}}
+
+
+def _fetched(stored: StoredGroup, active: int | None) -> FetchedGroup:
+    return FetchedGroup.model_validate({"group": SampleGroup.model_validate(unpackb(stored.payload)),
+                                        **_fetched_fields(stored, active)})
 
 
 def _utc(seconds: float) -> datetime:
@@ -410,12 +417,12 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
             newest_first=newest_first,
         ))
         as_msgpack = wants_msgpack(request)
-        groups = [_fetched(g, batch.active_version, as_msgpack=as_msgpack) for g in batch.groups]
         if as_msgpack:
-            body = {"groups": groups, "active_version": batch.active_version, "remaining": batch.remaining}
+            body = {"groups": [_fetched_msgpack(g, batch.active_version) for g in batch.groups],
+                    "active_version": batch.active_version, "remaining": batch.remaining}
             return Response(packb(body), media_type=MSGPACK)
-        return respond(request, FetchResult(groups=groups, active_version=batch.active_version,
-                                            remaining=batch.remaining))
+        return respond(request, FetchResult(groups=[_fetched(g, batch.active_version) for g in batch.groups],
+                                            active_version=batch.active_version, remaining=batch.remaining))
 
     @app.get("/v1/groups/{group_id}", tags=["trainer"], responses={200: {"model": FetchedGroup}, **_ERRORS})
     async def get_group(request: Request, group_id: str = _id_path("group")) -> Response:
@@ -424,10 +431,9 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
         stored = await exchange.group(group_id)
         pool = await exchange.pool()
         as_msgpack = wants_msgpack(request)
-        fetched = _fetched(stored, pool.active_version, as_msgpack=as_msgpack)
         if as_msgpack:
-            return Response(packb(fetched), media_type=MSGPACK)
-        return respond(request, fetched)
+            return Response(packb(_fetched_msgpack(stored, pool.active_version)), media_type=MSGPACK)
+        return respond(request, _fetched(stored, pool.active_version))
 
     @app.post("/v1/groups/{group_id}/report", tags=["trainer"], openapi_extra=_body(GroupReport),
               responses={200: {"model": ReportReceipt}, **_ERRORS})
@@ -492,7 +498,7 @@ def create_app(settings: ExchangeSettings, exchange: Exchange | None = None) -> 
     async def docs() -> HTMLResponse:
         """Swagger UI over /openapi.json, with its scripts and styles served from the package."""
         return get_swagger_ui_html(
-            openapi_url=app.openapi_url, title=f"{app.title} - API",
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - API",
             swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
         )

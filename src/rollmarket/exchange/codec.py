@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,6 +33,7 @@ def media_type(request: Request) -> str:
 
 def decode(body: bytes, content_type: str) -> Any:
     """Plain data from a request body; malformed, ambiguous or too deeply nested bodies are 400."""
+    loads: Callable[[bytes], Any]
     if content_type == MSGPACK:
         loads = unpack_request
     elif content_type in (JSON, "text/json") or content_type.endswith("+json"):

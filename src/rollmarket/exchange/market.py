@@ -142,9 +142,9 @@ def _timeline(conn: sqlite3.Connection, sql: MarketSql) -> tuple[float, list[Mar
     count = int((last - origin) // width) + 1
     at = {"origin": origin, "width": width, "top": count - 1}
     bucket = sql.bucket
-    by_worker = [Counter() for _ in range(count)]
-    by_tier = [Counter() for _ in range(count)]
-    by_status = [Counter() for _ in range(count)]
+    by_worker: list[Counter[str]] = [Counter() for _ in range(count)]
+    by_tier: list[Counter[str]] = [Counter() for _ in range(count)]
+    by_status: list[Counter[str]] = [Counter() for _ in range(count)]
     for i, worker_id, tier, status, n in conn.execute(
             f"SELECT {bucket.format('d.decided_at')} AS i, g.worker_id, {sql.arrival_tier} AS arrival,"
             " d.status, COUNT(*) FROM decisions d JOIN groups g ON g.group_id = d.group_id"

@@ -186,7 +186,8 @@ class Exchange:
             grant = await self.store.lease(worker_id, time.time())
             remaining = deadline - loop.time()
             if grant.lease is not None or grant.reason not in _WAIT_FOR_WORK or remaining <= 0:
-                self.metrics.leases.labels("granted" if grant.lease else grant.reason.value).inc()
+                self.metrics.leases.labels("granted" if grant.lease or grant.reason is None
+                                           else grant.reason.value).inc()
                 return grant
             # Work another replica adds raises no event here: re-read the store at least this often.
             recheck = min(remaining, grant.retry_after_s or self.settings.work_recheck_s,
@@ -212,6 +213,7 @@ class Exchange:
                 details={"findings": [f.as_dict() for f in outcome.rejected[:50]]},
             )
         receipt = outcome.receipt
+        assert receipt is not None  # the store answers every group it did not reject with a receipt
         if receipt.duplicate:
             self.metrics.submissions.labels("duplicate").inc()
         else:

@@ -8,6 +8,7 @@ audit event for every state change in the same transaction as the change.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..contracts import (
@@ -187,5 +188,5 @@ class Store(ABC):
         """Counts by state for jobs, leases, workers, available groups (by tier), audit kinds,
         and the pool's versions under "pool" ("active", "published"; -1 when none)."""
 
-    on_batch = None
+    on_batch: Callable[[int], object] | None = None
     """Optional callback a backend calls with the size of each committed write batch."""

@@ -185,7 +185,8 @@ class PostgresStore(SqlStore):
         return redact_url(self.url)
 
     # -- plumbing -------------------------------------------------------------------------
-    def _audit(self, conn: Any, now: float, kind: str, actor: str, subject: str, data: dict[str, Any]) -> None:
+    @staticmethod
+    def _audit(conn: Any, now: float, kind: str, actor: str, subject: str, data: dict[str, Any]) -> None:
         # Held back to the end of the transaction (_flush_audit): the lock that orders audit seq by
         # commit order is then held for the inserts and the COMMIT only, not for the whole call —
         # taken mid-call it made every writing call on the database run one at a time.
@@ -207,6 +208,8 @@ class PostgresStore(SqlStore):
         while True:
             committing = False
             try:
+                if self._connections is None:
+                    raise RuntimeError("the PostgreSQL store is not open")
                 with self._connections.connection(timeout=CONNECT_TIMEOUT_S) as conn:
                     if not write:
                         return fn(_Conn(conn))

@@ -358,7 +358,7 @@ class SqlStore(Store):
             manifest = self._manifest(conn, worker_id)
             active, published = self._pool(conn)
             latest = self._policy(conn, published)
-            if latest is None:
+            if latest is None or published is None:
                 return LeaseGrant(reason=NoLeaseReason.no_policy, retry_after_s=1.0,
                                   detail="no policy has been published yet")
             chosen = rules.lease_version(row["loaded_version"], active, published, manifest.max_reload_lag)
@@ -370,6 +370,9 @@ class SqlStore(Store):
                 return LeaseGrant(reason=NoLeaseReason.awaiting_quorum, policy=latest, retry_after_s=0.2,
                                   detail=f"version {published} has {acks}/{needed} reload acks")
             policy = self._policy(conn, chosen.version)
+            if policy is None:  # no refusal leaves a version that was never published; say so if one does
+                return LeaseGrant(reason=NoLeaseReason.no_policy, retry_after_s=1.0,
+                                  detail=f"policy version {chosen.version} is not held")
             mismatch = policy_mismatch(manifest, policy)
             if mismatch:
                 return LeaseGrant(reason=NoLeaseReason.no_matching_jobs, detail=mismatch, retry_after_s=5.0)

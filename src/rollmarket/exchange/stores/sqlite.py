@@ -176,7 +176,7 @@ class _Writer:
     _STOP = object()
 
     def __init__(self, path: Path, synchronous: str, batch_max: int,
-                 on_batch: Callable[[int], None] | None = None):
+                 on_batch: Callable[[int], object] | None = None):
         self._on_batch = on_batch
         self._path = path
         self._synchronous = synchronous

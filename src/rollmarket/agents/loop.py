@@ -23,7 +23,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..contracts.seeds import turn_seed
 from ..contracts import (
     AgentStep,
     AgentTrajectory,
@@ -32,6 +31,7 @@ from ..contracts import (
     ToolCallRecord,
     VerifyResult,
 )
+from ..contracts.seeds import turn_seed
 from .model import ChatModel, ModelCallError, ModelTurn, Sampling
 from .toolbox import LocalToolbox, Toolbox, parse_arguments
 

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from ..contracts.seeds import task_seed
 from ..contracts import (
     AgentDivergenceReport,
     AgentTrajectory,
@@ -43,6 +42,7 @@ from ..contracts import (
     TaskSpec,
     WorstToken,
 )
+from ..contracts.seeds import task_seed
 from . import layout
 from .engines import PRECISIONS, ReplayUnavailable, parse_trainer, with_replay_twins
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..contracts.responses import ResponsesInputError, input_messages
-from ..sqlite_commit import connect
+from ..sqlite_commit import commit_each, connect
 from .choice import ChoiceState
 from .protocol import OpenAIError, ResponsesRequest
 
@@ -54,6 +54,13 @@ class StoredResponses:
             self._db.execute("CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                              "response_id TEXT NOT NULL UNIQUE, turns TEXT NOT NULL, body TEXT NOT NULL)")
 
+    @staticmethod
+    def _missing(rid: str, param: str) -> OpenAIError:
+        if param == "previous_response_id":
+            return OpenAIError(f"Previous response with id '{rid}' not found.", status=404, param=param,
+                               code="previous_response_not_found")
+        return OpenAIError(f"Response with id '{rid}' not found.", status=404, param=param)
+
     def _find(self, rid: str, param: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if self._db is None:
             found = self._kept.get(rid)
@@ -62,9 +69,7 @@ class StoredResponses:
                 row = self._db.execute("SELECT turns, body FROM responses WHERE response_id = ?", (rid,)).fetchone()
             found = None if row is None else (json.loads(row[0]), json.loads(row[1]))
         if found is None:
-            what = "Previous response" if param == "previous_response_id" else "Response"
-            raise OpenAIError(f"{what} with id '{rid}' not found.", status=404, param=param,
-                              code="previous_response_not_found" if param == "previous_response_id" else None)
+            raise self._missing(rid, param)
         return found
 
     def get(self, rid: str) -> list[dict[str, Any]]:
@@ -83,25 +88,26 @@ class StoredResponses:
             while len(self._kept) > self.capacity:
                 self._kept.popitem(last=False)
             return
+
+        def insert_keeping_the_latest(conn) -> None:
+            seq = conn.execute("INSERT INTO responses (response_id, turns, body) VALUES (?, ?, ?)",
+                               (rid, json.dumps(turns), json.dumps(body))).lastrowid
+            conn.execute("DELETE FROM responses WHERE seq <= ?", (seq - self.capacity,))
+
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                seq = self._db.execute("INSERT INTO responses (response_id, turns, body) VALUES (?, ?, ?)",
-                                       (rid, json.dumps(turns), json.dumps(body))).lastrowid
-                self._db.execute("DELETE FROM responses WHERE seq <= ?", (seq - self.capacity,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+            ((_, error),) = commit_each(self._db, [insert_keeping_the_latest])
+        if error is not None:
+            raise error
 
     def delete(self, rid: str) -> None:
         """Forget `rid` (a 404 when it is not held): later requests naming it are 404s."""
-        self._find(rid, "response_id")
         if self._db is None:
-            self._kept.pop(rid, None)
-            return
-        with self._lock:
-            self._db.execute("DELETE FROM responses WHERE response_id = ?", (rid,))
+            gone = self._kept.pop(rid, None) is not None
+        else:
+            with self._lock:
+                gone = self._db.execute("DELETE FROM responses WHERE response_id = ?", (rid,)).rowcount > 0
+        if not gone:
+            raise self._missing(rid, "response_id")
 
     def close(self) -> None:
         if self._db is not None:

@@ -21,7 +21,8 @@ class ServeSettings(BaseModel):
         None, ge=1, description="torch CPU threads (default: torch's choice); 1 is best on busy shared CPUs.")
     max_batch_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one batch.")
     batch_window_ms: float = Field(
-        5.0, ge=0, description="How long an idle server waits after the latest request for more (at most 8 windows in all) before the first prefill.")
+        5.0, ge=0, description="How long an idle server waits after the latest request for more (at most 8 windows "
+                               "in all) before the first prefill.")
     default_max_tokens: int = Field(
         512, ge=1, description="max_tokens when a request gives none (capped by the context).")
     max_body_bytes: int = Field(

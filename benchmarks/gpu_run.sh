@@ -41,6 +41,7 @@ BENCHMARKS=(
   "teacher_forcing-1.7b|300|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-1.7b --methods engine-eager,engine-compiled,naive,numerics,profile"
   "teacher_forcing-modes|300|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b --methods engine-compiled,engine-compiled-autotune,engine-compiled-graphs,profile"
   "teacher_forcing-graphs|400|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b,qwen3-1.7b --methods engine-compiled,engine-compiled-cudagraphs,naive,profile,profile-cudagraphs"
+  "teacher_forcing-graphs-eager|150|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b --methods engine-eager,engine-eager-cudagraphs,naive"
   "learner_step|400|benchmarks/learner_step.py --device cuda --world-size 2 --layouts default,root-kept,kept,prefetch,kept-prefetch"
   "learner_ranks|200|benchmarks/learner_ranks.py --device cuda --ranks 2"
   "serve_throughput|330|benchmarks/serve_throughput.py --device cuda --repeats 2"
@@ -121,7 +122,10 @@ run_tests() {
 # STOP_S (a stuck collective falls to train/ranks.py's interrupt or its GRACE_S exit) and resumes.
 run_ranks_kill() {
   step ranks-kill 300 "$PY" -m pytest tests/test_train_ranks.py -k "killed and cuda" --noconftest \
-    -p no:cacheprovider -o addopts="" -rs -s --junitxml="$LOGS/ranks_kill.xml"
+    -p no:cacheprovider -o addopts="" -rs -s --junitxml="$RESULTS/ranks_kill-cuda.xml"
+  # The test prints how long the trainer took to stop; docs/render.py quotes it from this copy.
+  cp "$LOGS/ranks-kill.log" "$RESULTS/ranks_kill-cuda.log" 2>/dev/null
+  nvidia-smi --query-gpu=name --format=csv,noheader > "$RESULTS/ranks_kill-cuda.gpus" 2>/dev/null
 }
 
 run_benchmark() {

@@ -360,6 +360,34 @@ def _():
             f"timed between device synchronisations ({result['split'][0]['steps']} steps):\n\n{steps}")
 
 
+SERVE_CUDA_RUNS = ("benchmarks/results/serve_throughput-cuda-h100.json",
+                   "benchmarks/results/serve_throughput-cuda-h200x2.json", SERVE_CUDA)
+"""Every committed GPU run of the same benchmark since its warm-ups settled, oldest first."""
+
+
+@block("serve-runs")
+def _():
+    present = [path for path in SERVE_CUDA_RUNS if (ROOT / path).exists()]
+    out, met = [], {m: 0 for m in SERVE_MODELS}
+    for path in present:
+        meta, rows = load(path)["meta"], _serve(path)
+        for model, label in SERVE_MODELS.items():
+            http, engine, batcher = (rows[(model, p, 32)]["tokens_per_s"] for p in ("http", "engine", "batcher"))
+            met[model] += http / engine >= 0.8
+            spread = rows[(model, "http", 32)].get("tokens_per_s_runs") or [http]
+            out.append([f"{meta['date'][:16].replace('T', ' ')}, {meta['device_name']}, {meta['cpus']} CPUs", label,
+                        n(engine), n(batcher), n(http), ", ".join(n(x) for x in spread),
+                        bold(times(http / engine, 3), True), times(http / batcher)])
+    verdict = "; ".join(f"{label} in {met[m]} of {len(present)}" for m, label in SERVE_MODELS.items())
+    newest = load(present[-1])["meta"]
+    return ("Raw results: " + ", ".join(f"`{p}`" for p in present)
+            + f". Machine: {newest['machine']}, Python {newest['python']}, torch {newest['torch']}, "
+            f"the card and CPUs of each run in its row. Date: {newest['date']} (the newest).\n\n"
+            + table(["run", "model", "engine b32 tok/s", "batcher b32 tok/s", "HTTP b32 tok/s", "HTTP bursts tok/s",
+                   "**HTTP / engine**", "HTTP / batcher"], list("llrrrrrr"), out)
+            + f"\n\nHTTP at batch 32 at least 0.8× the engine alone, by run: {verdict}.")
+
+
 SAMPLER = "benchmarks/results/sampler_cpu.json"
 SAMPLER_CUDA = "benchmarks/results/sampler_cpu-cuda.json"
 
@@ -844,6 +872,48 @@ def _():
             + ("\n\ntorch.compile modes of the compiled body on the 0.6B shape, each in its own process ("
                + provenance(TF_MODES, load(TF_MODES)["meta"], inline=True) + "): " + "; ".join(notes) + "."
                if notes else ""))
+
+
+TF_GRAPHS = ("benchmarks/results/teacher_forcing-graphs-cuda.json",
+             "benchmarks/results/teacher_forcing-graphs-eager-cuda.json")
+"""The body replayed as CUDA graphs (``TrainerEngine(graphs=True)``) beside the same body without."""
+
+
+@block("tfb-graphs")
+def _():
+    """Each body with and without CUDA graphs, from one run per file (both in one process tree)."""
+    present = [path for path in TF_GRAPHS if (ROOT / path).exists()]
+    if not present:
+        return f"Not measured yet: `{TF_GRAPHS[0]}` is absent (`bash benchmarks/gpu_run.sh teacher_forcing-graphs`)."
+    rows, walls, failed = [], [], []
+    for path in present:
+        runs = {(r["shape"], r["method"]): r for r in load(path)["results"]}
+        for (shape, method), plain in runs.items():
+            graphed = runs.get((shape, f"{method}-cudagraphs"))
+            if graphed is None or method.endswith("-cudagraphs"):
+                continue
+            if method == "profile":
+                walls.append(f"{SHAPES.get(shape, shape)}: {plain['device_ms']:.1f} ms of kernels in "
+                             f"{plain['wall_ms']:.1f} ms of wall time without graphs, {graphed['device_ms']:.1f} "
+                             f"in {graphed['wall_ms']:.1f} with them")
+                continue
+            if "graphs_error" in graphed or "error" in graphed or "error" in plain:
+                failed.append(f"{SHAPES.get(shape, shape)} `{method}`: "
+                              + (graphed.get("graphs_error") or graphed.get("error") or plain["error"]).splitlines()[0][:160])
+                continue
+            same = graphed["max_abs_logprob_diff_vs_naive"] == plain["max_abs_logprob_diff_vs_naive"]
+            rows.append([SHAPES.get(shape, shape), method.removeprefix("engine-"), n(plain["tokens_per_s"]),
+                         n(graphed["tokens_per_s"]), bold(times(graphed["tokens_per_s"] / plain["tokens_per_s"], 3)),
+                         f"{times(plain['speedup_vs_naive'])} → {times(graphed['speedup_vs_naive'])}",
+                         str(graphed.get("graph_captures", "–")), "yes" if same else "**no**"])
+    out = [provenance(path, load(path)["meta"]) for path in present]
+    out.append(table(["shape", "body", "tok/s", "tok/s with graphs", "**graphs ÷ plain**", "vs naive",
+                      "captures", "same max |Δ| vs naive"], list("llrrrrrr"), rows))
+    if walls:
+        out.append("Under the profiler: " + "; ".join(walls) + ".")
+    if failed:
+        out.append("Not captured: " + "; ".join(failed) + ".")
+    return "\n\n".join(out)
 
 
 # ---- MoE matrix ---------------------------------------------------------------------------------
@@ -2420,6 +2490,33 @@ def _():
 
 
 # ---- GPU tests ----------------------------------------------------------------------------------
+
+RANKS_KILL = "benchmarks/results/ranks_kill-cuda"
+"""``.xml`` (junit), ``.log`` (the test's output) and ``.gpus`` of `gpu_run.sh ranks-kill`."""
+
+
+@block("ranks-kill")
+def _():
+    xml_path = ROOT / f"{RANKS_KILL}.xml"
+    if not xml_path.exists():
+        return f"Not run yet: no `{RANKS_KILL}.xml` is committed (`bash benchmarks/gpu_run.sh ranks-kill` on two GPUs)."
+    import re
+    import xml.etree.ElementTree as ET
+
+    suite = next(ET.parse(xml_path).getroot().iter("testsuite"))
+    cases = list(suite.iter("testcase"))
+    passed = [c for c in cases if not any(c.find(t) is not None for t in ("failure", "error", "skipped"))]
+    log = (ROOT / f"{RANKS_KILL}.log").read_text() if (ROOT / f"{RANKS_KILL}.log").exists() else ""
+    stopped = re.search(r"stopped ([0-9.]+)s after the kill", log)
+    gpus = (ROOT / f"{RANKS_KILL}.gpus").read_text().split("\n") if (ROOT / f"{RANKS_KILL}.gpus").exists() else []
+    gpus = [g for g in gpus if g.strip()]
+    return (f"Raw result: `{RANKS_KILL}.xml` and `.log`. Machine: {len(gpus)} × {gpus[0] if gpus else 'GPU'}. "
+            f"Date: {suite.get('timestamp', '?')[:19]}.\n\n"
+            + ", ".join(f"`{c.get('name')}`" for c in cases)
+            + f": {len(passed)} of {len(cases)} passed in {float(suite.get('time', 0)):.0f} s"
+            + (f"; the trainer stopped {stopped.group(1)} s after the kill, well before the "
+               "exit train/ranks.py forces after GRACE_S (30 s) on a collective that never returns" if stopped else "") + ".")
+
 
 GPU_TESTS = "benchmarks/results/gpu_tests-cuda.json"
 

@@ -3,7 +3,9 @@
 Runs where CUDA exists (the lent GPU: `benchmarks/gpu_run.sh tests`). The graph replays the very
 kernels the plain forward launches, so on the same body the logprobs and entropies must be equal
 bit for bit; a shape seen again replays its graph instead of capturing another; padded batches and
-MoE models (router hooks) take the plain forward.
+MoE models (router hooks) take the plain forward. The CPU tests at the end check the one thing the
+graph's body does differently: it decides the causal mask itself, because transformers counts a
+CUDA graph capture as tracing and would otherwise build a full mask inside the graph.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from rollmarket.engines import TrainerEngine
+from rollmarket.engines.graphs import GraphUnavailable
 from rollmarket.engines.loading import load_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -68,3 +71,32 @@ def test_graphs_need_cuda():
     """On the CPU asking for graphs is a clear error, not a silent plain forward."""
     with pytest.raises(ValueError, match="CUDA"):
         TrainerEngine(load_model(MODELS / "tiny-dense", "fp32", "cpu"), graphs=True)
+
+
+def test_the_graphs_body_leaves_the_mask_out_even_when_transformers_thinks_it_is_tracing(monkeypatch):
+    """transformers 5.17 (the device's) answers is_tracing() with True during a CUDA graph capture
+    and then builds a [B, 1, S, S] causal mask: other attention kernels than the plain forward's.
+    The graphs' body hands every layer no mask, as the plain forward of an unpadded batch does."""
+    import transformers.masking_utils as masking
+
+    engine = TrainerEngine(load_model(MODELS / "tiny-dense", "fp32", "cpu"))
+    ids_BS = torch.from_numpy(np.random.default_rng(5).integers(3, engine.info.vocab_size, size=(2, 24)))
+    want_BSH = engine._plain_body(ids_BS)
+    monkeypatch.setattr(masking, "is_tracing", lambda *a, **k: True)
+    masks = []
+    hook = engine.body.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
+    try:
+        got_BSH = engine._unmasked_body(ids_BS)
+    finally:
+        hook.remove()
+    assert masks == [None]
+    torch.testing.assert_close(got_BSH, want_BSH, rtol=0, atol=0)
+
+
+def test_sliding_window_layers_keep_their_mask_so_no_graph():
+    engine = TrainerEngine(load_model(MODELS / "tiny-dense", "fp32", "cpu"))
+    n = engine.body.config.num_hidden_layers
+    engine.body.config.layer_types = ["sliding_attention"] * n
+    with pytest.raises(GraphUnavailable, match="sliding_attention"):
+        engine._unmasked_body(torch.zeros(1, 4, dtype=torch.long))

@@ -123,12 +123,30 @@ class TrainerEngine:
         self.body_patch = BodyPatch(self.body, body)
         if graphs and torch.device(loaded.device).type != "cuda":
             raise ValueError("CUDA graphs need a model on CUDA")
-        self.graphs = BodyGraphs(self._plain_body) if graphs else None
+        self.graphs = BodyGraphs(self._unmasked_body) if graphs else None
         self.graphs_error: str | None = None
 
     def _plain_body(self, ids_BS: torch.Tensor, mask_BS: torch.Tensor | None = None) -> torch.Tensor:
         with self.body_patch:
             return self.body(input_ids=ids_BS, attention_mask=mask_BS, use_cache=False).last_hidden_state
+
+    def _unmasked_body(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        """The body on an unpadded batch with the causal mask decided here, not by the model.
+
+        Left to decide, transformers drops the mask of an unpadded batch (SDPA's ``is_causal`` path)
+        unless it thinks it is tracing, and a CUDA graph capture counts as tracing: under capture
+        it would build a full ``[B, 1, S, S]`` mask, so the graph would run another attention
+        kernel than the plain forward (other numbers, slower), and a compiled layer would
+        recompile inside the capture and fail. A prepared mapping of no masks, one per layer type,
+        takes the same path in both. Sliding-window layers need their mask: no graphs for them.
+        """
+        types = set(getattr(self.body.config, "layer_types", None) or ["full_attention"])
+        if types != {"full_attention"}:
+            raise GraphUnavailable(f"the body has {sorted(types - {'full_attention'})} layers, whose "
+                                   "mask a graph cannot leave out")
+        with self.body_patch:
+            return self.body(input_ids=ids_BS, attention_mask={t: None for t in types},
+                             use_cache=False).last_hidden_state
 
     @classmethod
     def from_path(cls, path, precision: str | Precision = "fp32", device="cpu", **kw) -> "TrainerEngine":

@@ -18,6 +18,7 @@ Importing this module starts nothing.
 
 from __future__ import annotations
 
+from typing import Any
 import dataclasses
 import json
 import os
@@ -305,7 +306,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, model_path: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       NCCL_NVLS_ENABLE="0")  # NVLink multicast stays off on the lent GPUs
-    init = {}
+    init: dict[str, Any] = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
         init["device_id"] = torch.device("cuda", rank)
@@ -316,6 +317,7 @@ def _worker(rank: int, world_size: int, backend: str, port: int, model_path: str
     try:
         engine = FSDPTrainerEngine.from_path(model_path, precision, chunk=payload["chunk"],
                                              max_batch_tokens=payload["max_batch_tokens"])
+        result: object
         if job == "score":
             result = engine.score_batch(payload["pairs"], temperature=payload["temperature"],
                                         replayed_experts=payload.get("replayed_experts"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -37,7 +38,8 @@ class BodyGraphs:
         self.forward = forward
         self.shapes = shapes
         self._graphs: OrderedDict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._pool = None
+        self._pool: Any = None
+        """The memory pool the first graph made, shared by the others (``torch.cuda.graph_pool_handle``)."""
         self.captures = 0
         """How many graphs were captured (a shape seen again replays its graph)."""
 

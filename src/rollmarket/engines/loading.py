@@ -6,6 +6,7 @@ the device differ. Nothing is fetched from a hub (``local_files_only``).
 
 from __future__ import annotations
 
+from typing import Any
 import logging
 import threading
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class ModelInfo:
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any
     info: ModelInfo
     precision: Precision
     device: torch.device
@@ -79,14 +80,14 @@ def load_model(path: str | Path, precision: str | Precision = Precision.fp32,
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32, local_files_only=True)
     apply_precision(model, profile)
-    model.to(dev).eval()
+    model.to(dev).eval()  # type: ignore[arg-type]  # transformers types .to() by its own wrapper
     tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
     info = describe(root, model, tokenizer)
     log.info("loaded %s at %s on %s", info.name, profile.value, dev)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, precision=profile, device=dev)
 
 
-def describe(root: Path, model: torch.nn.Module, tokenizer) -> ModelInfo:
+def describe(root: Path, model: Any, tokenizer) -> ModelInfo:
     config = model.config
     routers = moe_routers(model)
     eos = getattr(model.generation_config, "eos_token_id", None) or config.eos_token_id

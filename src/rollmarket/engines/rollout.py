@@ -16,6 +16,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -189,7 +190,8 @@ class DecodeSession:
         self.engine = engine
         self.rows: list[_Row] = []
         self._count = 0
-        self._cache = None
+        self._cache: Any = None
+        """transformers' DynamicCache of the running rows (None while no row runs)."""
         self._mask_BS: torch.Tensor | None = None
         self._logits_BV: torch.Tensor | None = None
         self._experts_BLK: torch.Tensor | None = None
@@ -211,7 +213,7 @@ class DecodeSession:
         if len(params) != len(prompts) or not prompts:
             raise ValueError("need one SamplingParams per prompt and at least one prompt")
         seeds_index = seeds_index or list(range(len(prompts)))
-        new = []
+        new: list[_Row] = []
         for prompt, p, si in zip(prompts, params, seeds_index):
             arr = np.asarray(prompt, dtype=np.int64)
             if arr.size == 0:
@@ -251,6 +253,7 @@ class DecodeSession:
 
     def _join(self, cache, mask_BS: torch.Tensor, logits_BV: torch.Tensor,
               experts_BLK: torch.Tensor | None) -> None:
+        assert self._mask_BS is not None and self._logits_BV is not None  # rows are running
         width = max(self._mask_BS.shape[1], mask_BS.shape[1])
 
         def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -267,7 +270,7 @@ class DecodeSession:
             mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)], 0)
         self._mask_BS = torch.cat([left_pad(self._mask_BS, 1), left_pad(mask_BS, 1)], 0)
         self._logits_BV = torch.cat([self._logits_BV, logits_BV], 0)
-        if experts_BLK is not None:
+        if experts_BLK is not None and self._experts_BLK is not None:
             self._experts_BLK = torch.cat([self._experts_BLK, experts_BLK], 0)
 
     def remove(self, rows: list[_Row]) -> None:
@@ -283,6 +286,7 @@ class DecodeSession:
         if not keep:
             self._cache = self._mask_BS = self._logits_BV = self._experts_BLK = None
             return
+        assert self._mask_BS is not None and self._logits_BV is not None  # rows were running
         index = torch.tensor(keep, device=self._logits_BV.device)
         # Columns left of the longest remaining row hold only padding now: trim them.
         lead = self._mask_BS.shape[1] - max(r.cached for r in self.rows)
@@ -301,6 +305,7 @@ class DecodeSession:
         engine = self.engine
         if not self.rows:
             return []
+        assert self._mask_BS is not None and self._logits_BV is not None  # set by add() with the rows
         if self._sampler is None:
             self._sampler = RowBatch.from_params([r.params for r in self.rows], [r.key for r in self.rows],
                                                  self._logits_BV.shape[-1], self._logits_BV.device)

@@ -10,11 +10,12 @@ choice with the experts a rollout engine chose, so the trainer's forward routes 
 
 from __future__ import annotations
 
+from typing import Any
 import numpy as np
 import torch
 
 
-def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def moe_routers(model: torch.nn.Module) -> list[Any]:
     """The router module of every MoE layer, in layer order (dense layers are skipped)."""
     layers = _decoder_layers(model)
     routers = []
@@ -26,7 +27,7 @@ def moe_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return routers
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def _decoder_layers(model: Any) -> list[Any]:
     # A peft-wrapped model (LoRA training) hides the transformers model one level further down.
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = getattr(base, "model", base)
@@ -120,7 +121,7 @@ class RouterReplay:
         self._handles.clear()
 
 
-def replay_problem(experts_XLK: torch.Tensor | np.ndarray, routers: list[torch.nn.Module]) -> str | None:
+def replay_problem(experts_XLK: torch.Tensor | np.ndarray, routers: list[Any]) -> str | None:
     """Why these experts cannot be replayed through ``routers`` (``moe_routers(model)``), or None:
     not ``[positions, layers, top_k]``, an id outside ``[0, num_experts)`` other than
     ``OWN_ROUTING``, or one expert twice in a row. Raises TypeError for a router replay cannot drive."""

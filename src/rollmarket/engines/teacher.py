@@ -6,6 +6,7 @@ matrix never exists whole: at 16k tokens and a 150k vocabulary that matrix alone
 
 from __future__ import annotations
 
+from typing import Any
 import contextlib
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ def chunked_token_stats(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targe
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _body_and_head(model: Any) -> tuple[Any, Any]:
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model, model.lm_head
 
 
@@ -163,7 +164,7 @@ class TrainerEngine:
     @torch.no_grad()
     def score(self, prompt_ids_P, response_ids_T, *, temperature: float = 1.0,
               replayed_experts_TLK: np.ndarray | None = None) -> TeacherForced:
-        replay = None if replayed_experts_TLK is None else [replayed_experts_TLK]
+        replay: list[np.ndarray | None] | None = None if replayed_experts_TLK is None else [replayed_experts_TLK]
         return self.score_batch([(prompt_ids_P, response_ids_T)], temperature=temperature,
                                 replayed_experts=replay)[0]
 
@@ -206,6 +207,7 @@ class TrainerEngine:
         return out
 
     def _graphed_body(self, ids_BS: torch.Tensor) -> torch.Tensor | None:
+        assert self.graphs is not None
         try:
             return self.graphs(ids_BS)
         except GraphUnavailable as exc:
@@ -225,9 +227,9 @@ class TrainerEngine:
         ids_BS = ids_BS.to(device)
         # Without padding the mask is all ones, which the model would check and drop (a sync on
         # the GPU); no KV cache is kept (it would hold K and V of every layer for nothing).
-        mask_BS = mask_BS.to(device) if min(lengths) < S else None
+        padded_BS = mask_BS.to(device) if min(lengths) < S else None
         capture = RouterCapture(self.loaded.model, self.loaded.info.top_k or 1)
-        replay = contextlib.nullcontext()
+        replay: contextlib.AbstractContextManager = contextlib.nullcontext()
         if replays is not None and any(e is not None for e in replays):
             top_k = self.loaded.info.top_k or 1
             replay = RouterReplay(self.loaded.model, replay_positions(
@@ -235,9 +237,9 @@ class TrainerEngine:
         # Replay first, so the capture (registered after it) records the experts actually used.
         with replay, capture:
             hidden_BSH = self._graphed_body(ids_BS) if (
-                self.graphs is not None and mask_BS is None and not capture.active) else None
+                self.graphs is not None and padded_BS is None and not capture.active) else None
             if hidden_BSH is None:
-                hidden_BSH = self._plain_body(ids_BS, mask_BS)
+                hidden_BSH = self._plain_body(ids_BS, padded_BS)
         experts_BSLK = capture.take(B, S) if capture.active else None
         # Position i predicts token i+1: the response's scores sit at P-1 .. P+T-2.
         rows, targets = [], []
@@ -247,15 +249,15 @@ class TrainerEngine:
             targets.append(ids_BS[b, P: P + T])
         logprobs_N, entropies_N = chunked_token_stats(
             torch.cat(rows), self.head, torch.cat(targets), temperature=temperature, chunk=self.chunk)
-        logprobs_N = logprobs_N.cpu().numpy().astype(np.float32)
-        entropies_N = entropies_N.cpu().numpy().astype(np.float32)
+        logprobs_np_N = logprobs_N.cpu().numpy().astype(np.float32)
+        entropies_np_N = entropies_N.cpu().numpy().astype(np.float32)
         out, offset = [], 0
         for b, (p, r) in enumerate(batch):
             P, T = p.size, r.size
             experts = None
             if experts_BSLK is not None:
                 experts = experts_BSLK[b, P - 1: P - 1 + T].numpy().astype(np.int16)
-            out.append(TeacherForced(logprobs_N[offset: offset + T], entropies_N[offset: offset + T],
+            out.append(TeacherForced(logprobs_np_N[offset: offset + T], entropies_np_N[offset: offset + T],
                                      experts))
             offset += T
         return out

@@ -15,12 +15,13 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..bodies import (
@@ -75,8 +76,9 @@ def _validation_error(exc: ValidationError | RequestValidationError) -> OpenAIEr
                        param=param)
 
 
-_BODY_MODELS = [ChatRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
-_ERRORS = {status: {"description": text, "content": {"application/json": {"schema": {
+_BODY_MODELS: list[type[BaseModel]] = [ChatRequest, CompletionRequest, ResponsesRequest, TokenizeRequest,
+                                      DetokenizeRequest]
+_ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": text, "content": {"application/json": {"schema": {
     "$ref": "#/components/schemas/OpenAIErrorBody"}}}} for status, text in (
     (400, "Bad JSON or values (OpenAI's error shape)"), (404, "Unknown model or route"),
     (405, "Method not allowed"), (413, "Body too large"))}
@@ -143,12 +145,8 @@ class ModelServer:
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
         vocab = self.engine.info.vocab_size
-        if isinstance(prompt, str):
-            prompts = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]
-        else:
-            prompts = list(prompt)
+        prompts: list = [prompt] if isinstance(prompt, str) or (
+            prompt and all(isinstance(p, int) for p in prompt)) else list(prompt)
         if not prompts:
             raise OpenAIError("prompt is empty", param="prompt")
         out = []

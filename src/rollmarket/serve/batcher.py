@@ -102,7 +102,8 @@ class Batcher:
         """The waiting requests that fit beside ``running`` sequences; blocks only when idle."""
         batch: list[Pending] = []
         seqs = running
-        deadline = first = None
+        deadline: float | None = None
+        first = 0.0  # when the idle server's first request of a burst arrived
         while not self._stopping:
             item = self._carry
             self._carry = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -185,14 +186,14 @@ def dense_summary(
     trainer_N = trainer_N.astype(dtype, copy=False)
     n = rollout_N.shape[0]
     if n == 0:
-        nothing = {f.name: None for f in fields(DenseSummary)}
+        nothing: dict[str, Any] = {f.name: None for f in fields(DenseSummary)}
         return DenseSummary(**{**nothing, "n_tokens": 0, "n_sequences": n_sequences, "clamp": clamp,
                                "veto": veto, "sequence_log_ratio": 0.0})
 
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         s, delta_N = _chunked_sums(rollout_N, trainer_N, clamp, veto)
 
-    seq_ess = 1.0 if n_sequences == 1 else sequence_ess(_segment_sums(delta_N, lengths_S), clamp)
+    seq_ess = 1.0 if lengths_S is None or n_sequences == 1 else sequence_ess(_segment_sums(delta_N, lengths_S), clamp)
     # The top ⌈n/100⌉ weights are the weights of the top ⌈n/100⌉ Δ (clip and exp are monotone).
     k = -(-n // 100)
     delta_N.partition(n - k)

@@ -121,6 +121,13 @@ class _Run:
     produced_T: np.ndarray | None = None
     """Tokens the rollout engine produced (router replay replays these; None: all of them)."""
 
+    @property
+    def agent(self) -> AgentTrajectory:
+        """The agent run (a length probe has none: asking for it there is a bug)."""
+        if self.run is None:
+            raise ValueError(f"{self.trajectory_id} is a length probe, not an agent run")
+        return self.run
+
 
 def _stitched(run: AgentTrajectory) -> _Run | None:
     from ..agents import StitchError, stitch
@@ -301,7 +308,8 @@ def _cell(rollout: str, trainer: str, dense: list[DenseMismatchReport], router: 
     def interval(values):
         return bootstrap_interval([v for v in values if v is not None])
 
-    worst = max((d for d in dense if d.worst_token is not None), key=lambda d: abs(d.worst_token.delta), default=None)
+    worst = max((d for d in dense if d.worst_token is not None),
+                key=lambda d: abs(d.worst_token.delta) if d.worst_token else 0.0, default=None)
     cell: dict[str, Any] = dict(
         rollout_engine=rollout, trainer_engine=trainer, n=len(dense), tokens=sum(d.n_tokens for d in dense),
         token_ess=interval(d.token_ess for d in dense),
@@ -328,7 +336,7 @@ def _length_points(rollout: str, trainer: str, probes: list[_Run], dense: list[D
     from .stats import bootstrap_interval
 
     points = []
-    for length in sorted({p.max_tokens for p in probes}):
+    for length in sorted({p.max_tokens for p in probes if p.max_tokens is not None}):
         mine = [(p, d) for p, d in zip(probes, dense) if p.max_tokens == length]
         points.append(LengthPoint(
             rollout_engine=rollout, trainer_engine=trainer, max_tokens=length,
@@ -357,7 +365,7 @@ def position_profile_of(rollout: str, trainer: str, probes: list[_Run], trainer_
 
 def _view(run: _Run, rollout: str, tokenizer, task: TaskSpec | None):
     """The trajectory viewer's record of one agent run."""
-    agent = run.run
+    agent = run.agent
     turns = []
     seen = 0
     for i, step in enumerate(agent.steps):
@@ -402,7 +410,7 @@ def _divergence(settings: ObserveSettings, a_name: str, b_name: str, runs_a: dic
     reports = []
     pending: list[tuple[Any, Any, Any, int, int]] = []
     for tid in sorted(set(runs_a) & set(runs_b)):
-        a, b = runs_a[tid].run, runs_b[tid].run
+        a, b = runs_a[tid].agent, runs_b[tid].agent
         summary = trajectory_divergence(a, b)
         step = summary.first_divergent_step
         # Tying the split to tokens needs a trainer engine with b's numerics: only a precision profile has one
@@ -413,6 +421,7 @@ def _divergence(settings: ObserveSettings, a_name: str, b_name: str, runs_a: dic
                                              sample_index=a.sample_index))
             continue
         sa = a.steps[step]
+        assert sa.response_token_ids is not None  # checked above
         sb = b.steps[step] if step < len(b.steps) else None
         split = first_token_split(sa.response_token_ids.tolist(),
                                   [] if sb is None or sb.response_token_ids is None else sb.response_token_ids.tolist())
@@ -537,7 +546,7 @@ def run_observatory(settings: ObserveSettings, run_dir: Path, progress: Progress
         progress("teacher forcing", len(settings.trainer_engines), len(settings.trainer_engines))
     for rollout in settings.rollout_engines:
         _write_jsonl(layout.viewer_path(run_dir, rollout),
-                     [_view(r, rollout, tokenizer, by_task.get(r.run.task_id)) for r in agent_runs[rollout]])
+                     [_view(r, rollout, tokenizer, by_task.get(r.agent.task_id)) for r in agent_runs[rollout]])
     divergence: list[AgentDivergenceReport] = []
     reference = settings.rollout_engines[0]
     for other in settings.rollout_engines[1:]:

@@ -24,7 +24,7 @@ def _arguments(raw: str) -> dict | None:
 
 
 def _tool_results(messages: list[dict]) -> dict[str, str]:
-    return {m.get("tool_call_id"): str(m.get("content") or "") for m in messages
+    return {str(m["tool_call_id"]): str(m.get("content") or "") for m in messages
             if m.get("role") == "tool" and m.get("tool_call_id")}
 
 
@@ -43,7 +43,7 @@ def conversation_run(captures: list[Capture]) -> AgentTrajectory | None:
             return None
         calls = [ToolCallRecord(id=call.id or f"call_{k}", name=call.name, raw_arguments=call.arguments,
                                 arguments=_arguments(call.arguments),
-                                result=ToolResult(name=call.name, content=results.get(call.id, ""),
+                                result=ToolResult(name=call.name, content=results.get(call.id or "", ""),
                                                   outcome=ToolOutcome.ok))
                  for k, call in enumerate(choice.tool_calls)]
         steps.append(AgentStep(

@@ -18,7 +18,6 @@ Importing this module starts nothing.
 
 from __future__ import annotations
 
-from typing import Any
 import dataclasses
 import json
 import os
@@ -26,6 +25,7 @@ import pickle
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch

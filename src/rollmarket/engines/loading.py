@@ -6,11 +6,11 @@ the device differ. Nothing is fetched from a hub (``local_files_only``).
 
 from __future__ import annotations
 
-from typing import Any
 import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -11,6 +11,7 @@ choice with the experts a rollout engine chose, so the trainer's forward routes 
 from __future__ import annotations
 
 from typing import Any
+
 import numpy as np
 import torch
 

@@ -6,9 +6,9 @@ matrix never exists whole: at 16k tokens and a 150k vocabulary that matrix alone
 
 from __future__ import annotations
 
-from typing import Any
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch

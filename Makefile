@@ -65,7 +65,7 @@ lint: venv-test
 	$(BIN)/ruff check src tests benchmarks experiments docs
 	$(BIN)/lint-imports
 	$(BIN)/mypy src/rollmarket/contracts src/rollmarket/gate src/rollmarket/client src/rollmarket/exchange \
-	  src/rollmarket/engines src/rollmarket/serve src/rollmarket/observatory \
+	  src/rollmarket/engines src/rollmarket/serve src/rollmarket/observatory src/rollmarket/proxy \
 	  src/rollmarket/localhost.py src/rollmarket/runs.py src/rollmarket/sqlite_commit.py
 
 # The GPU tests (the fused kernel and the learner head against float64, batched sampling, the

@@ -46,7 +46,15 @@ from .openapi import proxy_openapi
 from .settings import ProxySettings
 from .sse import DONE, EventSplitter, data_event, event_data
 from .store import CaptureStore
-from .upstream import UpstreamBroken, UpstreamError, UpstreamResponse, UpstreamTimeout, connect
+from .upstream import (
+    HttpxUpstream,
+    RawUpstream,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    connect,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +104,7 @@ class Proxy:
         self.store = store or CaptureStore(settings.store, synchronous=settings.sqlite_synchronous,
                                            batch_max=settings.write_batch_max,
                                            experts_shape=settings.experts_shape)
-        self.upstream = None
+        self.upstream: RawUpstream | HttpxUpstream | None = None
         self._conversation_header = settings.conversation_header.lower().encode()
         self.calls = 0
         self.in_flight = 0
@@ -135,10 +143,15 @@ class Proxy:
         finally:
             self.in_flight -= 1
 
+    def _connected(self) -> RawUpstream | HttpxUpstream:
+        if self.upstream is None:
+            raise RuntimeError("the proxy's upstream client is not open: the app's lifespan has not started")
+        return self.upstream
+
     async def _forward(self, method: str, target: str, headers: list, body: bytes, send) -> None:
         """Any other call: bytes in, bytes out, nothing recorded."""
         try:
-            response = await self.upstream.send(method, target, headers, body)
+            response = await self._connected().send(method, target, headers, body)
         except UpstreamError as exc:
             code = "upstream_timeout" if isinstance(exc, UpstreamTimeout) else "upstream_unreachable"
             await _send_whole(send, 504 if code == "upstream_timeout" else 502, [], _error_body(code, str(exc)))
@@ -182,7 +195,7 @@ class Proxy:
                 recorder.notes.append(f"request not recorded: {unreadable}")
             t_sent = time.perf_counter()
             try:
-                response = await self.upstream.send("POST", target, headers, upstream_body)
+                response = await self._connected().send("POST", target, headers, upstream_body)
             except UpstreamTimeout as exc:
                 await self._fail(send, recorder, timings, t0, 504, CaptureOutcome.upstream_timeout,
                                  "upstream_timeout", str(exc))
@@ -265,7 +278,7 @@ class Proxy:
                             receive, send, timings: dict, t0: float, t_sent: float) -> None:
         await send({"type": "http.response.start", "status": response.status_code,
                     "headers": _response_headers(response)})
-        state = {"held": b"", "outcome": CaptureOutcome.ok}
+        state: dict[str, Any] = {"held": b"", "outcome": CaptureOutcome.ok}
         pump = asyncio.create_task(self._pump(response, recorder, strip, send, timings, t0, state))
         watcher = asyncio.create_task(_wait_for_disconnect(receive))
         await asyncio.wait((pump, watcher), return_when=asyncio.FIRST_COMPLETED)
@@ -419,8 +432,9 @@ def create_proxy_app(settings: ProxySettings, store: CaptureStore | None = None)
     async def openapi(request: Request) -> JSONResponse:
         return JSONResponse(document)
 
-    async def refused(request: Request, exc: HTTPException) -> Response:
+    async def refused(request: Request, exc: Exception) -> Response:
         """The proxy's own 404 and 405 (routes other than /v1/*) in the OpenAI error shape."""
+        assert isinstance(exc, HTTPException)  # registered for HTTPException only
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         return Response(_error_body(code, str(exc.detail)), status_code=exc.status_code,
                         media_type="application/json", headers=getattr(exc, "headers", None))

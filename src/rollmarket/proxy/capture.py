@@ -149,7 +149,7 @@ class CaptureDraft:
         """A Responses call's conversation without its instructions: the turns it continues, then
         its input items read as chat messages (None when they cannot be read; the upstream judges)."""
         try:
-            return [*(self.earlier or ()), *input_messages((self.request or {}).get("input"))]
+            return [*(self.earlier or ()), *input_messages((self.request or {}).get("input") or [])]
         except ResponsesInputError:
             return None
 
@@ -437,7 +437,7 @@ def _choice_record(choice: _Choice, prompt_ids: list[int] | None, experts_shape:
     """One choice as a record: arrays validated once on the usual path; field by field, with a
     note for each unreadable one, when that fails."""
     what = f"choice {choice.index}"
-    scalars = dict(
+    scalars: dict[str, Any] = dict(
         index=choice.index,
         content=choice.text(),
         reasoning_content="".join(choice.reasoning) if choice.reasoning else None,

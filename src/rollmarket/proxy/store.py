@@ -218,21 +218,21 @@ class CaptureStore:
                 else:
                     future.set_exception(exc)
             return
-        outcomes = [(future, capture, exc) for (_, future), (capture, exc) in zip(batch, results)]
+        outcomes = [(future, capture, error) for (_, future), (capture, error) in zip(batch, results)]
         self.batches += 1
         # Resolve only after COMMIT: a resolved future means the capture is in the file.
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for future, capture, exc in outcomes:
-            if exc is None:
+        for future, capture, error in outcomes:
+            if error is None:
                 self.written += 1
             else:
                 self.failed += 1
             if isinstance(future, _LoopFuture):
-                by_loop.setdefault(future.loop, []).append((future.future, capture, exc))
-            elif exc is None:
+                by_loop.setdefault(future.loop, []).append((future.future, capture, error))
+            elif error is None:
                 future.set_result(capture)
             else:
-                future.set_exception(exc)
+                future.set_exception(error)
         for loop, resolved in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_resolve, resolved)

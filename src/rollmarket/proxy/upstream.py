@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 try:
     import httptools
 except ImportError:  # pragma: no cover - uvicorn[standard] brings it
-    httptools = None
+    httptools = None  # type: ignore[assignment]
 
 _HIGH_WATER = 1 << 20  # buffered answer bytes at which reading from the upstream pauses
 
@@ -195,11 +195,16 @@ class _Connection(asyncio.Protocol):
                                            if answer.got_bytes else "the upstream closed the connection"))
 
     # -- httptools callbacks ---------------------------------------------------------------------
+    def _current(self) -> _Answer:
+        """The answer being parsed (the parser calls back only while ``send`` has one in flight)."""
+        assert self.answer is not None, "a parser callback with no answer in flight"
+        return self.answer
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.answer.headers.append((name.lower(), value))
+        self._current().headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        answer = self.answer
+        answer = self._current()
         answer.status_code = self.parser.get_status_code()
         if not answer.head.done():
             answer.head.set_result(None)
@@ -208,31 +213,32 @@ class _Connection(asyncio.Protocol):
             self.closed = True  # the parser would wait for that body: use a new connection next time
 
     def on_body(self, body: bytes) -> None:
-        self.answer.feed(bytes(body))
+        self._current().feed(bytes(body))
 
     def on_message_complete(self) -> None:
-        self.answer.finish()
+        self._current().finish()
 
     # -- used by the pool and the answer ----------------------------------------------------------
     def _ends_at_close(self) -> bool:
         """An answer without Content-Length or chunking runs until the connection closes."""
-        names = {name for name, _ in self.answer.headers}
+        names = {name for name, _ in self._current().headers}
         return b"content-length" not in names and b"transfer-encoding" not in names
 
     def send(self, data: bytes, timeout: float, *, head_only: bool = False) -> _Answer:
         self.uses += 1
         self.head_only = head_only
         self.answer = _Answer(self, timeout)
+        assert self.transport is not None  # the pool hands out connected connections only
         self.transport.write(data)
         return self.answer
 
     def pause(self) -> None:
-        if not self.paused and not self.closed:
+        if not self.paused and not self.closed and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.paused and not self.closed:
+        if self.paused and not self.closed and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
 
@@ -300,7 +306,8 @@ class RawUpstream:
                 connection = None
                 while self._idle:
                     candidate = self._idle.pop()
-                    if not candidate.closed and not candidate.transport.is_closing():
+                    if (not candidate.closed and candidate.transport is not None
+                            and not candidate.transport.is_closing()):
                         connection = candidate
                         break
                 reused = connection is not None
@@ -380,7 +387,8 @@ class HttpxUpstream:
         await self.client.aclose()
 
 
-def connect(base_url: str, *, max_connections: int, timeout_s: float, connect_timeout_s: float):
+def connect(base_url: str, *, max_connections: int, timeout_s: float,
+            connect_timeout_s: float) -> RawUpstream | HttpxUpstream:
     """The fastest client that can reach `base_url`."""
     kind = RawUpstream if base_url.startswith("http://") and httptools is not None else HttpxUpstream
     return kind(base_url, max_connections=max_connections, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s)

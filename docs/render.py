@@ -388,6 +388,38 @@ def _():
             + f"\n\nHTTP at batch 32 at least 0.8× the engine alone, by run: {verdict}.")
 
 
+DECODE_PROFILE = "benchmarks/results/decode_profile-cuda.json"
+
+
+@block("decode-profile")
+def _():
+    if not (ROOT / DECODE_PROFILE).exists():
+        return (f"Not measured yet: `{DECODE_PROFILE}` is absent "
+                "(`bash benchmarks/gpu_run.sh decode_profile` on the device).")
+    data = load(DECODE_PROFILE)
+    serve = load(SERVE_CUDA)
+    steady = {(s["model"], s["batch"]): s["step_ms"] for s in serve["split"] if s["sampler"] == "engine"}
+    again = "wall_ms_again" in data["rows"][0]  # two passes over the same lengths (the script since its first run)
+    rows = []
+    for r in data["rows"]:
+        warm = steady.get((r["model"], r["batch"]))
+        runs = r["wall_ms_runs"]
+        cells = [SERVE_MODELS.get(r["model"], r["model"]), str(r["batch"]), n(r["kernels_per_step"]),
+                 n(r["kernel_ms"], 2), f"{n(r['wall_ms'], 1)} ({n(min(runs), 1)}–{n(max(runs), 1)})"]
+        if again:
+            cells.append(n(r["wall_ms_again"], 1))
+        cells += [n(warm, 1) if warm else "–", bold(times(warm / r["kernel_ms"], 1)) if warm else "–"]
+        rows.append(cells)
+    heads = ["model", "batch", "kernels a step", "kernels ms a step",
+             "step wall ms, shapes new to the process: median (range)"]
+    if again:
+        heads.append("the same shapes again")
+    heads += ["step ms after serve_throughput's warm bursts", "**that ÷ kernels**"]
+    return (provenance(DECODE_PROFILE, data) + f" Steps after warm bursts: the decode split of `{SERVE_CUDA}` ("
+            + provenance(SERVE_CUDA, serve["meta"], inline=True) + ").\n\n"
+            + table(heads, list("lrrrr") + ["r"] * (len(heads) - 5), rows))
+
+
 SAMPLER = "benchmarks/results/sampler_cpu.json"
 SAMPLER_CUDA = "benchmarks/results/sampler_cpu-cuda.json"
 

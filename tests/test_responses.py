@@ -166,6 +166,31 @@ def test_a_streamed_tool_call_is_a_function_call_item(echo):  # noqa: F811
     assert final.output[0].content[0].text == "I will use the calculator."
 
 
+def test_a_streamed_tool_calls_tokens_ride_on_its_arguments_delta(echo, tokenizer):  # noqa: F811
+    """Text then a call: the text deltas carry the text's tokens, the call's arguments delta the
+    call's, and the end-of-turn token a last empty delta of the call, so every delta's tokens
+    together are the generation the final item carries."""
+    said = "I will use the calculator.\n" + CALL_TEXT
+    parts: dict[str, list[int]] = {"text": [], "call": [], "after": []}
+    logprobs, kinds, final = [], [], None
+    for event in echo.responses.create(model=DENSE.name, input=said, tools=[TOOL], stream=True, extra_body=RL):
+        kinds.append(event.type)
+        if event.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            part = "text" if event.type == "response.output_text.delta" else "call" if event.delta else "after"
+            parts[part] += event.model_extra["generation_token_ids"]
+            logprobs += event.model_extra["generation_log_probs"]
+        elif event.type == "response.completed":
+            final = event.response
+    fields = training_fields(final.output[-1])
+    assert parts["text"] + parts["call"] + parts["after"] == fields["generation_token_ids"]
+    assert logprobs == fields["generation_log_probs"]
+    assert tokenizer.decode(parts["text"]) == "I will use the calculator.\n"
+    assert tokenizer.decode(parts["call"]) == CALL_TEXT
+    # The call item closes after its last delta, before the response completes.
+    last_delta = max(i for i, k in enumerate(kinds) if k == "response.function_call_arguments.delta")
+    assert last_delta < kinds.index("response.function_call_arguments.done") < kinds.index("response.completed")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": [{"type": "image", "url": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -503,6 +528,26 @@ def test_a_tool_loop_links_by_previous_response_id_and_by_repeated_items(echo, w
         assert capture.prompt_token_ids.tolist() == expected
         assert [(m["role"], [t["function"]["name"] for t in m.get("tool_calls") or ()]) for m in capture.messages] \
             == [("user", []), ("assistant", ["calculator"]), ("tool", [])]
+
+
+def test_a_streamed_tool_call_through_the_proxy_is_captured_whole_and_stripped(echo, workdir, tokenizer):  # noqa: F811
+    """The proxy asks for the token fields the client did not: it strips them from the call's
+    arguments delta as from the text deltas, and records the whole generation, call included."""
+    proxy = ProxyProcess(str(echo.base_url).rstrip("/").removesuffix("/v1"), workdir / "stream-tools.db",
+                         workdir / "stream-tools-proxy.log")
+    proxy.start()
+    try:
+        said = "I will use the calculator.\n" + CALL_TEXT
+        events = list(client(proxy.url).responses.create(model=DENSE.name, input=said, tools=[TOOL], stream=True))
+        (capture,) = proxy.since(0)
+    finally:
+        proxy.stop()
+    deltas = [e for e in events if e.type in ("response.output_text.delta", "response.function_call_arguments.delta")]
+    assert {e.type for e in deltas} == {"response.output_text.delta", "response.function_call_arguments.delta"}
+    assert all("generation_token_ids" not in (e.model_extra or {}) for e in deltas)
+    (choice,) = capture.choices
+    assert choice.finish_reason == "tool_calls" and choice.tool_calls[0].name == "calculator"
+    assert tokenizer.decode(choice.response_token_ids.tolist(), skip_special_tokens=True) == said
 
 
 def test_a_stream_cut_short_keeps_the_tokens_its_deltas_carried(proxy):

@@ -127,7 +127,8 @@ def strip_chunk(chunk: dict[str, Any], aug: Augmentation) -> dict[str, Any] | No
     if isinstance(chunk.get("response"), dict):  # a Responses event that carries the whole Response
         strip_response(chunk["response"], aug)
         return chunk
-    if chunk.get("type") == "response.output_text.delta" and aug.token_ids:
+    if chunk.get("type") in ("response.output_text.delta", "response.function_call_arguments.delta") \
+            and aug.token_ids:
         for name in TRAINING_FIELDS:  # the delta's share of the output item's token fields
             chunk.pop(name, None)
     if aug.usage and chunk.get("usage") is not None and not chunk.get("choices"):

@@ -289,13 +289,14 @@ class CallRecorder:
 
     def _response_event(self, event: dict[str, Any]) -> None:
         """One event of a streamed Response: the last (`response.completed`, or `.incomplete`,
-        `.failed`) holds the whole Response, which is what gets recorded; until it comes, the text
-        deltas' tokens are, so that a stream cut short keeps what it carried."""
+        `.failed`) holds the whole Response, which is what gets recorded; until it comes, the
+        deltas' tokens are (text deltas and tool calls' arguments deltas), so that a stream cut
+        short keeps what it carried."""
         kind = event.get("type") or ""
         if kind.endswith(".delta"):
             self.saw_output = True
-        if kind == "response.output_text.delta":
-            self._text_delta(event)
+        if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            self._text_delta(event, text=kind == "response.output_text.delta")
         response = event.get("response")
         if kind in ("response.completed", "response.incomplete", "response.failed") and isinstance(response, dict):
             self._choices.pop(0, None)  # the whole Response replaces what the deltas built
@@ -303,9 +304,9 @@ class CallRecorder:
         elif kind == "error":
             self.error = {key: event.get(key) for key in ("message", "code", "param")}
 
-    def _text_delta(self, event: dict[str, Any]) -> None:
+    def _text_delta(self, event: dict[str, Any], *, text: bool = True) -> None:
         state = self._choice(0)
-        if isinstance(event.get("delta"), str):
+        if text and isinstance(event.get("delta"), str):
             state.content.append(event["delta"])
         ids = event.get("generation_token_ids")
         if not isinstance(ids, list) or not ids:

@@ -555,7 +555,8 @@ async def _responses_stream(server: ModelServer, pending: Pending, choices: list
                 out += events.text(text, **delta_tokens(sent))
                 sent = len(c.token_ids)
             for call in calls:
-                out += events.call(call)
+                out += events.call(call, **delta_tokens(sent))
+                sent = len(c.token_ids)
             for event in out:
                 yield event
     except OpenAIError as exc:

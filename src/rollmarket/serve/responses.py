@@ -193,14 +193,18 @@ class ResponseEvents:
     """The server-sent events of one streamed Response, in OpenAI's order and shapes.
 
     Text opens an assistant ``message`` item on its first delta; each tool call, once parsed
-    whole, is a ``function_call`` item (added, its arguments in one delta, done). The closing
-    ``response.completed`` carries the whole Response, with the token fields when asked for.
+    whole, is a ``function_call`` item (added, its arguments in one delta, done when the next item
+    opens or the Response ends). The closing ``response.completed`` carries the whole Response,
+    with the token fields when asked for.
 
-    Each ``response.output_text.delta`` carries the tokens generated since the last one: their
+    Each ``response.output_text.delta`` carries the tokens generated since the last delta: their
     ``logprobs`` in OpenAI's shape (when asked for; else ``[]``) and, with ``return_token_ids``,
-    their ``generation_token_ids`` and ``generation_log_probs`` (and ``routed_experts``), so the
-    deltas of a message concatenate to what its final part and item carry. Tokens the detokenizer
-    still holds when the generation ends go out on a last, empty delta.
+    their ``generation_token_ids`` and ``generation_log_probs`` (and ``routed_experts``). A tool
+    call's ``response.function_call_arguments.delta`` carries the token fields of the tokens behind
+    it the same way (OpenAI's event has no ``logprobs``), so the deltas of a whole Response
+    concatenate to the generation its last item carries. Tokens still unsent when the generation
+    ends (held by the detokenizer, or the end-of-turn token after a call) go out on a last, empty
+    delta of the open item.
     """
 
     def __init__(self, base: dict[str, Any]):
@@ -208,6 +212,8 @@ class ResponseEvents:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None
+        self._call: dict[str, Any] | None = None
+        """The function_call item whose done events wait for the next item or the end."""
         self._text: list[str] = []
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -223,7 +229,7 @@ class ResponseEvents:
 
     def text(self, delta: str, **tokens: Any) -> list[bytes]:
         """The events of a text delta; `tokens` are the per-token fields of the tokens behind it."""
-        out = []
+        out = self.close_call()
         if self._message is None:
             self._message = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
                              "status": "in_progress", "content": []}
@@ -253,21 +259,34 @@ class ResponseEvents:
                            content_index=0, part=part),
                 self.event("response.output_item.done", output_index=index, item=message)]
 
-    def call(self, call: dict[str, Any]) -> list[bytes]:
-        out = self.close_message()
+    def call(self, call: dict[str, Any], **tokens: Any) -> list[bytes]:
+        """The events of a parsed tool call; `tokens` are the per-token fields of the tokens behind it."""
+        out = self.close_message() + self.close_call()
         item = {"id": "fc_" + secrets.token_hex(12), "type": "function_call", "status": "in_progress",
                 "call_id": call["id"], "name": call["function"]["name"], "arguments": ""}
         self.items.append(item)
         index = len(self.items) - 1
         arguments = call["function"]["arguments"]
         out.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
-        out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                              delta=arguments))
-        item.update(arguments=arguments, status="completed")
-        out += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                           arguments=arguments),
-                self.event("response.output_item.done", output_index=index, item=item)]
+        out.append(self._arguments_delta(item, arguments, tokens))
+        item.update(arguments=arguments)
+        self._call = item
         return out
+
+    def _arguments_delta(self, item: dict[str, Any], delta: str, tokens: dict[str, Any]) -> bytes:
+        fields = {k: v for k, v in tokens.items() if k != "logprobs"}  # OpenAI's call delta has none
+        return self.event("response.function_call_arguments.delta", item_id=item["id"],
+                          output_index=self.items.index(item), delta=delta, **fields)
+
+    def close_call(self) -> list[bytes]:
+        if self._call is None:
+            return []
+        item, self._call = self._call, None
+        index = self.items.index(item)
+        item.update(status="completed")
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
     def finish(self, body: dict[str, Any], rest: dict[str, Any] | None = None) -> list[bytes]:
         """Close what is open and send the whole Response; streamed items keep their ids. `rest`
@@ -275,9 +294,11 @@ class ResponseEvents:
         final = body["output"]
         messages = [item for item in final if item["type"] == "message"]
         out = []
-        if rest and (self._message is not None or (not self.items and messages)):
+        if rest and self._call is not None:
+            out.append(self._arguments_delta(self._call, "", rest))
+        elif rest and (self._message is not None or (not self.items and messages)):
             out += self.text("", **rest)
-        out += self.close_message(messages[0] if messages else None)
+        out += self.close_call() + self.close_message(messages[0] if messages else None)
         if not self.items and messages:  # an empty answer is still one (empty) message item
             out += self.text("") + self.close_message(messages[0])
         for streamed, item in zip(self.items, final):

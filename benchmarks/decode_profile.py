@@ -25,6 +25,7 @@ with their own seeds and ``ignore_eos``, as in benchmarks/serve_throughput.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 console = Console()
 MESSAGES = [{"role": "user", "content": "Count from one to ten in words, then say done."}]
+SDPA_NAMES = ("math", "efficient", "cudnn")
+"""The attention kernels that take a mask (the decode's padded batch has one); flash does not."""
 
 
 def profile_steps(session, steps: int, device: str) -> dict:
@@ -65,6 +68,10 @@ def profile_steps(session, steps: int, device: str) -> dict:
 
 def measure(model: Path, name: str, args) -> list[dict]:
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    SDPA_BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                     "cudnn": SDPBackend.CUDNN_ATTENTION}
 
     from rollmarket.engines import RolloutEngine, SamplingParams
 
@@ -86,32 +93,42 @@ def measure(model: Path, name: str, args) -> list[dict]:
             walls.append(1000 * (time.perf_counter() - started))
         return walls
 
-    for batch in args.batches:
-        total = args.warm + 2 * args.steps + 1
-        params = [SamplingParams(temperature=1.0, max_tokens=total, seed=s, ignore_eos=True) for s in range(batch)]
-        # The same session twice: the first pass meets every cache length for the first time in
-        # this process, the second meets them again (whatever the host sets up per new shape, it
-        # has then done).
-        passes = []
-        for _ in range(2):
-            session = engine.session()
-            session.add([prompt] * batch, params)
-            warm = timed_steps(session, args.warm)
-            passes.append((warm, timed_steps(session, args.steps)))
-        (warm, walls), (warm_again, walls_again) = passes
-        row = {"model": name, "batch": batch, "steps": args.steps, "warm": args.warm,
-               "wall_ms": statistics.median(walls), "wall_ms_runs": walls, "warm_ms_runs": warm,
-               "wall_ms_again": statistics.median(walls_again), "wall_ms_runs_again": walls_again,
-               "warm_ms_runs_again": warm_again, **profile_steps(session, args.steps, args.device)}
-        if row["kernel_ms"]:
-            row["wall_over_kernels"] = row["wall_ms"] / row["kernel_ms"]
-            row["gpu_busy_share"] = row["kernel_ms"] / row["wall_ms"]
-        rows.append(row)
-        console.print(f"  {name} batch {batch:>3}: {row['wall_ms']:.2f} ms a step, {row['wall_ms_again']:.2f} "
-                      "ms the second time"
-                      + (f", {row['kernel_ms']:.2f} ms of kernels ({row['kernels_per_step']:.0f} launches)"
-                         if row["kernel_ms"] else ""))
-    del engine, session
+    for sdpa in args.sdpa:
+        # SDPA's choice of attention kernel for the decode's masked attention, or one pinned.
+        pinned = contextlib.nullcontext() if sdpa == "default" else sdpa_kernel([SDPA_BACKENDS[sdpa]])
+        with pinned:
+            for batch in args.batches:
+                total = args.warm + 2 * args.steps + 1
+                params = [SamplingParams(temperature=1.0, max_tokens=total, seed=s, ignore_eos=True)
+                          for s in range(batch)]
+                # The same session twice: the first pass meets every cache length for the first
+                # time in this process (with this kernel choice), the second meets them again
+                # (whatever the host sets up per new shape, it has then done).
+                passes = []
+                try:
+                    for _ in range(2):
+                        session = engine.session()
+                        session.add([prompt] * batch, params)
+                        warm = timed_steps(session, args.warm)
+                        passes.append((warm, timed_steps(session, args.steps)))
+                except RuntimeError as exc:  # a pinned kernel that cannot take a masked decode
+                    rows.append({"model": name, "batch": batch, "sdpa": sdpa, "error": str(exc)[:300]})
+                    console.print(f"  {name} batch {batch:>3} sdpa {sdpa}: {str(exc)[:120]}")
+                    continue
+                (warm, walls), (warm_again, walls_again) = passes
+                row = {"model": name, "batch": batch, "sdpa": sdpa, "steps": args.steps, "warm": args.warm,
+                       "wall_ms": statistics.median(walls), "wall_ms_runs": walls, "warm_ms_runs": warm,
+                       "wall_ms_again": statistics.median(walls_again), "wall_ms_runs_again": walls_again,
+                       "warm_ms_runs_again": warm_again, **profile_steps(session, args.steps, args.device)}
+                if row["kernel_ms"]:
+                    row["wall_over_kernels"] = row["wall_ms"] / row["kernel_ms"]
+                    row["gpu_busy_share"] = row["kernel_ms"] / row["wall_ms"]
+                rows.append(row)
+                console.print(f"  {name} batch {batch:>3} sdpa {sdpa}: {row['wall_ms']:.2f} ms a step, "
+                              f"{row['wall_ms_again']:.2f} ms the second time"
+                              + (f", {row['kernel_ms']:.2f} ms of kernels ({row['kernels_per_step']:.0f} launches)"
+                                 if row["kernel_ms"] else ""))
+    del engine
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
@@ -128,11 +145,18 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=8, help="Steps of each pass before the timed ones.")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (see serve_throughput).")
+    parser.add_argument("--sdpa", default="default",
+                        help="Attention kernels to pin for the decode, comma-separated: default (SDPA's own "
+                             f"choice), {', '.join(SDPA_NAMES)}.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     args.precision = args.precision or ("bf16" if cuda else "fp32")
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.sdpa = [s for s in args.sdpa.split(",") if s]
+    unknown = set(args.sdpa) - {"default", *SDPA_NAMES}
+    if unknown:
+        parser.error(f"unknown --sdpa {sorted(unknown)}: use default or {', '.join(SDPA_NAMES)}")
     shapes = [s for s in (args.shapes if args.shapes is not None else ("qwen3-0.6b" if cuda else "")).split(",") if s]
     args.out = args.out or REPO / "benchmarks" / "results" / f"decode_profile{'-cuda' if cuda else ''}.json"
 
@@ -150,10 +174,13 @@ def main() -> None:
             rows += measure(materialise(shape, args, Path(folder)), shape, args)
 
     table = Table(title=f"One decode step on {args.device} at {args.precision}: wall against kernels")
-    for column in ("model", "batch", "wall ms", "again", "kernel ms", "launches", "again ÷ kernels"):
-        table.add_column(column, justify="left" if column == "model" else "right")
+    for column in ("model", "attention", "batch", "wall ms", "again", "kernel ms", "launches", "again ÷ kernels"):
+        table.add_column(column, justify="left" if column in ("model", "attention") else "right")
     for r in rows:
-        table.add_row(r["model"], str(r["batch"]), f"{r['wall_ms']:.2f}", f"{r['wall_ms_again']:.2f}",
+        if "error" in r:
+            table.add_row(r["model"], r["sdpa"], str(r["batch"]), "failed", r["error"][:40], "", "", "")
+            continue
+        table.add_row(r["model"], r["sdpa"], str(r["batch"]), f"{r['wall_ms']:.2f}", f"{r['wall_ms_again']:.2f}",
                       f"{r['kernel_ms']:.2f}" if r["kernel_ms"] else "-",
                       f"{r['kernels_per_step']:.0f}" if r["kernels_per_step"] else "-",
                       f"{r['wall_ms_again'] / r['kernel_ms']:.1f}x" if r["kernel_ms"] else "-")

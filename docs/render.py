@@ -399,25 +399,31 @@ def _():
     data = load(DECODE_PROFILE)
     serve = load(SERVE_CUDA)
     steady = {(s["model"], s["batch"]): s["step_ms"] for s in serve["split"] if s["sampler"] == "engine"}
-    again = "wall_ms_again" in data["rows"][0]  # two passes over the same lengths (the script since its first run)
+    measured = [r for r in data["rows"] if "error" not in r]
+    failed = [f"{r['model']} at batch {r['batch']} with `{r['sdpa']}` attention: {r['error'][:120]}"
+              for r in data["rows"] if "error" in r]
+    again = "wall_ms_again" in measured[0]  # two passes over the same lengths (the script since its first run)
+    pinned = any(r.get("sdpa", "default") != "default" for r in measured)
     rows = []
-    for r in data["rows"]:
+    for r in measured:
         warm = steady.get((r["model"], r["batch"]))
         runs = r["wall_ms_runs"]
-        cells = [SERVE_MODELS.get(r["model"], r["model"]), str(r["batch"]), n(r["kernels_per_step"]),
+        cells = [SERVE_MODELS.get(r["model"], r["model"]), *([r["sdpa"]] if pinned else []), str(r["batch"]),
+                 n(r["kernels_per_step"]),
                  n(r["kernel_ms"], 2), f"{n(r['wall_ms'], 1)} ({n(min(runs), 1)}–{n(max(runs), 1)})"]
         if again:
             cells.append(n(r["wall_ms_again"], 1))
         cells += [n(warm, 1) if warm else "–", bold(times(warm / r["kernel_ms"], 1)) if warm else "–"]
         rows.append(cells)
-    heads = ["model", "batch", "kernels a step", "kernels ms a step",
+    heads = ["model", *(["attention"] if pinned else []), "batch", "kernels a step", "kernels ms a step",
              "step wall ms, shapes new to the process: median (range)"]
     if again:
         heads.append("the same shapes again")
     heads += ["step ms after serve_throughput's warm bursts", "**that ÷ kernels**"]
     return (provenance(DECODE_PROFILE, data) + f" Steps after warm bursts: the decode split of `{SERVE_CUDA}` ("
             + provenance(SERVE_CUDA, serve["meta"], inline=True) + ").\n\n"
-            + table(heads, list("lrrrr") + ["r"] * (len(heads) - 5), rows))
+            + table(heads, ["l"] * (2 if pinned else 1) + ["r"] * (len(heads) - (2 if pinned else 1)), rows)
+            + ("\n\nNot measured: " + "; ".join(failed) + "." if failed else ""))
 
 
 SAMPLER = "benchmarks/results/sampler_cpu.json"

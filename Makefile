@@ -66,6 +66,7 @@ lint: venv-test
 	$(BIN)/lint-imports
 	$(BIN)/mypy src/rollmarket/contracts src/rollmarket/gate src/rollmarket/client src/rollmarket/exchange \
 	  src/rollmarket/engines src/rollmarket/serve src/rollmarket/observatory src/rollmarket/proxy \
+	  src/rollmarket/agents src/rollmarket/tasks \
 	  src/rollmarket/localhost.py src/rollmarket/runs.py src/rollmarket/sqlite_commit.py
 
 # The GPU tests (the fused kernel and the learner head against float64, batched sampling, the

@@ -83,7 +83,9 @@ def run_grouped(agent: Agent, tasks: Sequence[TaskSpec], samples: int, sampling:
         runs[position] = run
         if on_run is not None:
             on_run(done, len(items))
-    return [runs[i * samples:(i + 1) * samples] for i in range(len(tasks))]
+    complete = [run for run in runs if run is not None]
+    assert len(complete) == len(items)  # run_tasks yields every item once
+    return [complete[i * samples:(i + 1) * samples] for i in range(len(tasks))]
 
 
 def done_runs(path: Path) -> set[tuple[str, int]]:

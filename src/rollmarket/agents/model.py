@@ -201,12 +201,15 @@ def parse_turn(data: dict[str, Any], latency_s: float = 0.0, *, moe_shape: tuple
     entries = (choice.get("logprobs") or {}).get("content")
     logprobs = None if entries is None else np.asarray([e["logprob"] for e in entries], np.float32)
     usage = data.get("usage") or {}
-    counts = dict(prompt_tokens=len(prompt) if prompt is not None else usage.get("prompt_tokens"),
-                  response_tokens=len(ids) if ids is not None else usage.get("completion_tokens"))
-    experts = upstream.read_choice_experts(choice.get("routed_experts"), **counts)
-    sglang = upstream.sglang_experts_field(data, choice) if experts is None and moe_shape else None
-    if sglang is not None:
-        experts = upstream.read_sglang_experts(sglang, layers=moe_shape[0], top_k=moe_shape[1], **counts)
+    prompt_tokens = len(prompt) if prompt is not None else usage.get("prompt_tokens")
+    response_tokens = len(ids) if ids is not None else usage.get("completion_tokens")
+    experts = upstream.read_choice_experts(choice.get("routed_experts"), prompt_tokens=prompt_tokens,
+                                           response_tokens=response_tokens)
+    if experts is None and moe_shape:
+        sglang = upstream.sglang_experts_field(data, choice)
+        if sglang is not None:
+            experts = upstream.read_sglang_experts(sglang, layers=moe_shape[0], top_k=moe_shape[1],
+                                                   prompt_tokens=prompt_tokens, response_tokens=response_tokens)
     return ModelTurn(
         content=content, tool_calls=calls, finish_reason=str(choice.get("finish_reason") or "stop"),
         prompt_token_ids_P=None if prompt is None else np.asarray(prompt, np.int32),

@@ -38,7 +38,7 @@ MAX_TOKENS = 8
 TOP_LOGPROBS = 2
 TOOL_MAX_TOKENS = 64
 PROMPT = [{"role": "user", "content": "Say something random."}]
-WEATHER_TOOL = {"type": "function", "function": {
+WEATHER_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
@@ -203,7 +203,7 @@ def _chat_capabilities(p: _Prober, model: str) -> list[Capability]:
 
     Asked with logprobs first; a server that refuses them is asked again without, so that the
     chat itself is judged on its own."""
-    plain = dict(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED)
+    plain: dict[str, Any] = dict(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0, seed=SEED)
     refusal = None
     for kwargs in (dict(plain, logprobs=True, top_logprobs=TOP_LOGPROBS), plain):
         try:
@@ -335,7 +335,7 @@ def _routed_experts(p: _Prober, model: str) -> Capability:
                 "vLLM's base64 .npy over prompt and response, split at the prompt" if packed
                 else "routed_experts [tokens][moe_layers][top_k]",
                 shape=list(response.shape), first_token=response[0].tolist() if len(response) else None,
-                prompt_shape=list(split.prompt_PLK.shape) if packed else None)
+                prompt_shape=list(split.prompt_PLK.shape) if split.prompt_PLK is not None else None)
 
 
 def _prompt_logprobs(p: _Prober, model: str) -> Capability:
@@ -369,10 +369,11 @@ def _completions(p: _Prober, model: str) -> Capability:
 
 def _tool_calls(p: _Prober, model: str) -> Capability:
     try:
-        body = p.client.chat.completions.create(
+        request: dict[str, Any] = dict(
             model=model, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            max_tokens=TOOL_MAX_TOKENS, temperature=0.0).model_dump()
+            max_tokens=TOOL_MAX_TOKENS, temperature=0.0)
+        body = p.client.chat.completions.create(**request).model_dump()
     except openai.APIError as exc:
         return _cap("tool_calls", "no", "a request with tools and a named tool_choice was refused",
                     error=f"{type(exc).__name__}: {exc}")

@@ -91,7 +91,9 @@ def stitch(steps: list[AgentStep]) -> TrainingView:
             if have_logprobs:
                 logprobs.append(np.zeros(delta.shape[0], np.float32))
             if have_experts:
-                _, layers, k = steps[i].routed_experts.shape
+                step_experts = steps[i].routed_experts
+                assert step_experts is not None  # have_experts: every step has them
+                _, layers, k = step_experts.shape
                 experts.append(np.zeros((delta.shape[0], layers, k), np.int16))
             length += delta.shape[0]
         boundaries.append(length)

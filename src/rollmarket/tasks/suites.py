@@ -259,7 +259,7 @@ def heldout_prompts() -> frozenset[str]:
     return frozenset(spec.messages[-1]["content"]
                      for suite in SUITES.values()
                      for spec in _build(suite, "heldout", suite.size("heldout"), world, frozenset())
-                     if spec.metadata["kind"] != "trivia")
+                     if spec.messages and spec.metadata["kind"] != "trivia")
 
 
 def build_suite(name: str, split: str, n: int | None = None) -> list[TaskSpec]:

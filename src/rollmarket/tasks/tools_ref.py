@@ -13,18 +13,18 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .world import Doc, World
 
-CALCULATOR = {"type": "function", "function": {
+CALCULATOR: dict[str, Any] = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-WEB_SEARCH = {"type": "function", "function": {
+WEB_SEARCH: dict[str, Any] = {"type": "function", "function": {
     "name": "web_search", "description": "Search the documents.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
-READ_FILE = {"type": "function", "function": {
+READ_FILE: dict[str, Any] = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
 TOOL_SCHEMAS: dict[str, dict[str, Any]] = {"calculator": CALCULATOR, "web_search": WEB_SEARCH, "read_file": READ_FILE}
@@ -34,7 +34,7 @@ MAX_RESULT_BITS = 4096
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-_UNOPS = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNOPS: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 
 def format_number(value: float) -> str:

@@ -267,7 +267,7 @@ class PythonEval(Tool):
         why = status[-1] if status else lines[-1] if lines else f"exit status {done.returncode}"
         outcome = {child.EXIT_REFUSED: ToolOutcome.refused, child.EXIT_MEMORY: ToolOutcome.resource_limit,
                    child.EXIT_FILE_SIZE: ToolOutcome.resource_limit, -signal.SIGXCPU: ToolOutcome.timeout,
-                   }.get(done.returncode, ToolOutcome.error)
+                   }.get(-1 if done.returncode is None else done.returncode, ToolOutcome.error)
         if done.returncode == child.EXIT_SETUP:
             why = "the sandbox could not drop to its unprivileged user; the code did not run"
         elif done.returncode is not None and done.returncode < 0 and not status:
@@ -284,6 +284,7 @@ class PythonEval(Tool):
             env = {"PATH": os.defpath, "HOME": str(cwd), "TMPDIR": str(cwd), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
             proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, close_fds=True, start_new_session=True)
+            assert proc.stdout is not None and proc.stderr is not None  # both are pipes
             try:
                 return _collect(proc, time.monotonic() + limits.timeout_s, limits.output_bytes)
             finally:
@@ -331,8 +332,10 @@ def _run_bubblewrap(box: Bubblewrap, limits: SandboxLimits, code: str, files: by
     finally:
         os.close(info_read)
         _end_sandbox(proc, init)
-        proc.stdout.close()
-        proc.stderr.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
     if done.returncode is not None and done.returncode > 128:
         done.returncode = 128 - done.returncode  # bwrap reports a child killed by signal N as 128 + N
     return done
@@ -366,6 +369,7 @@ def _collect(proc: subprocess.Popen, deadline: float, output_bytes: int) -> _Fin
     the group."""
     stdout, stderr = bytearray(), bytearray()
     exited_at = None
+    assert proc.stdout is not None and proc.stderr is not None  # both are pipes
     with selectors.DefaultSelector() as selector:
         selector.register(proc.stdout, selectors.EVENT_READ, stdout)
         selector.register(proc.stderr, selectors.EVENT_READ, stderr)

@@ -215,7 +215,7 @@ def _no_thread(*_args: object, _Refused: type = SandboxRefused) -> None:
     raise _Refused("sandbox: threads are not allowed")
 
 
-def _cause_chain(exc: BaseException):
+def _cause_chain(exc: BaseException | None):
     seen = 0
     while exc is not None and seen < 20:
         yield exc
@@ -304,8 +304,8 @@ def main() -> None:
         if current != resource.RLIM_INFINITY:
             soft, hard = min(soft, current), min(hard, current)
         resource.setrlimit(limit, (soft, hard))
-    sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")
-    sys.stderr.reconfigure(errors="backslashreplace")
+    sys.stdout.reconfigure(line_buffering=True, errors="backslashreplace")  # type: ignore[union-attr]
+    sys.stderr.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
 
     if audit:
         import _posixsubprocess
@@ -314,7 +314,7 @@ def main() -> None:
         # subprocess and threading stay importable (asyncio imports both) but their primitives, which
         # raise no audit event, are replaced; re-importing the modules is refused by the hook. Threads
         # go too: RLIMIT_NPROC stops them only when not root, and code should run the same everywhere.
-        _posixsubprocess.fork_exec = _no_fork_exec
+        _posixsubprocess.fork_exec = _no_fork_exec  # type: ignore[assignment]
         for name in ("start_new_thread", "start_new", "start_joinable_thread"):
             if hasattr(_thread, name):
                 setattr(_thread, name, _no_thread)
@@ -323,7 +323,7 @@ def main() -> None:
         sys.addaudithook(_make_hook(root, read_roots))
 
     module = type(sys)("__main__")
-    module.__builtins__ = __builtins__
+    module.__builtins__ = __builtins__  # type: ignore[attr-defined]
     sys.modules["__main__"] = module
     status, why = 0, ""
     try:

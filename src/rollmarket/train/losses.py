@@ -43,11 +43,15 @@ def aggregation_error(name: str) -> str | None:
     return f"unknown aggregation {name!r}; expected one of {AGGREGATIONS}"
 
 
+LossKind = Literal["ppo_clip", "cispo", "reinforce"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """How the policy loss is formed and reduced. Defaults are DAPO's clip range."""
 
-    kind: Literal["ppo_clip", "cispo", "reinforce"] = "ppo_clip"
+    kind: LossKind = "ppo_clip"
     """The policy-gradient estimator."""
     clip_low: float = 0.2
     """ε_low: ppo_clip clips the ratio below at 1 − clip_low."""
@@ -55,8 +59,7 @@ class LossConfig:
     """ε_high: ppo_clip clips the ratio above at 1 + clip_high (DAPO's clip-higher)."""
     cispo_cap: float = 1.28
     """cispo: the IS weight min(ratio, cispo_cap); our default is 1 + clip_high."""
-    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                         "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation: Aggregation = "token-mean"
     """verl's names. token-mean: Σ L / Σ mask (DAPO). seq-mean-token-sum: each sequence's token sum,
     averaged over the sequences with a valid token. seq-mean-token-mean: each sequence's token mean,
     averaged over the sequences with a valid token (the original GRPO). seq-mean-token-sum-norm:

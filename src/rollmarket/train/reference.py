@@ -55,6 +55,8 @@ from . import (
     token_logprobs,
     token_tis,
 )
+from .losses import Aggregation, LossKind
+from .transforms import TransformMode
 
 
 @dataclass
@@ -68,9 +70,9 @@ class Config:
     max_turns: int = 4  # model turns per agent run
     temperature: float = 1.0  # sampling temperature for training runs
     advantage_mode: str = "grpo"  # grpo | dr_grpo | rloo | maxrl (train/advantages.py)
-    transform_mode: str = "none"  # none | gtpo (the planning-token modes need a planning mask)
-    loss_kind: str = "ppo_clip"  # ppo_clip (DAPO clip-higher) | cispo | reinforce
-    aggregation: str = "token-mean"  # verl's names; seq-mean-token-sum-norm divides by max_tokens · max_turns
+    transform_mode: TransformMode = "none"  # none | gtpo (the planning-token modes need a planning mask)
+    loss_kind: LossKind = "ppo_clip"  # ppo_clip (DAPO clip-higher) | cispo | reinforce
+    aggregation: Aggregation = "token-mean"  # verl's names; seq-mean-token-sum-norm divides by max_tokens · max_turns
     tis_cap: float = 2.0  # token TIS cap on exp(logp_old - logp_behaviour); 0 turns it off
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -111,7 +113,7 @@ def evaluate(agent, tasks, max_tokens: int) -> float:
 # The learner: one teacher-forced forward over the stitched sequences, one loss, one step.
 
 
-def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) -> dict[str, float]:
+def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) -> dict[str, float | None]:
     ids_BS, attn_BS, mask_BT, behaviour_BT = pad_batch(views, pad_id)
     model.train()
     logits_BSV = model(input_ids=ids_BS, attention_mask=attn_BS).logits.float()
@@ -125,7 +127,8 @@ def train_step(model, optimizer, views, advantages_B, pad_id: int, cfg: Config) 
                                                  TransformConfig(cfg.transform_mode))
     # Δ = logπ_old − logπ_behaviour: trainer vs engine on the same weights (numerics only here).
     delta_BT = (old_logprobs_BT - behaviour_BT) * mask_BT
-    metrics = {"rollout_corr/mean_abs_delta": float(delta_BT.abs().sum() / mask_BT.sum().clamp(min=1)),
+    metrics: dict[str, float | None] = {
+               "rollout_corr/mean_abs_delta": float(delta_BT.abs().sum() / mask_BT.sum().clamp(min=1)),
                "rollout_corr/max_abs_delta": float(delta_BT.abs().max())}
     is_weights_BT, loss_mask_BT = None, mask_BT
     if cfg.tis_cap > 0:

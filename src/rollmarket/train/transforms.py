@@ -32,13 +32,14 @@ from typing import Literal
 import torch
 
 TRANSFORM_MODES = ("none", "gtpo", "gtpo_hicra", "gtpo_sepa")
+TransformMode = Literal["none", "gtpo", "gtpo_hicra", "gtpo_sepa"]
 
 
 @dataclass(frozen=True)
 class TransformConfig:
     """Which token transform to apply and its coefficients."""
 
-    mode: Literal["none", "gtpo", "gtpo_hicra", "gtpo_sepa"] = "none"
+    mode: TransformMode = "none"
     """The transform; see the module docstring."""
     gtpo_beta: float = 0.1
     """β: how strongly entropy reweights credit within a completion (0 = uniform)."""

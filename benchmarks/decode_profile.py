@@ -120,9 +120,6 @@ def measure(model: Path, name: str, args) -> list[dict]:
                        "wall_ms": statistics.median(walls), "wall_ms_runs": walls, "warm_ms_runs": warm,
                        "wall_ms_again": statistics.median(walls_again), "wall_ms_runs_again": walls_again,
                        "warm_ms_runs_again": warm_again, **profile_steps(session, args.steps, args.device)}
-                if row["kernel_ms"]:
-                    row["wall_over_kernels"] = row["wall_ms"] / row["kernel_ms"]
-                    row["gpu_busy_share"] = row["kernel_ms"] / row["wall_ms"]
                 rows.append(row)
                 console.print(f"  {name} batch {batch:>3} sdpa {sdpa}: {row['wall_ms']:.2f} ms a step, "
                               f"{row['wall_ms_again']:.2f} ms the second time"

@@ -138,15 +138,14 @@ class TrainerEngine:
         unless it thinks it is tracing, and a CUDA graph capture counts as tracing: under capture
         it would build a full ``[B, 1, S, S]`` mask, so the graph would run another attention
         kernel than the plain forward (other numbers, slower), and a compiled layer would
-        recompile inside the capture and fail. A prepared mapping of no masks, one per layer type,
-        takes the same path in both. Sliding-window layers need their mask: no graphs for them.
+        recompile inside the capture and fail. A prepared mapping with no mask takes the same path
+        in both. Sliding-window layers need their mask: no graphs for them.
         """
-        types = set(getattr(self.body.config, "layer_types", None) or ["full_attention"])
-        if types != {"full_attention"}:
-            raise GraphUnavailable(f"the body has {sorted(types - {'full_attention'})} layers, whose "
-                                   "mask a graph cannot leave out")
+        other = set(getattr(self.body.config, "layer_types", None) or ()) - {"full_attention"}
+        if other:
+            raise GraphUnavailable(f"the body has {sorted(other)} layers, whose mask a graph cannot leave out")
         with self.body_patch:
-            return self.body(input_ids=ids_BS, attention_mask={t: None for t in types},
+            return self.body(input_ids=ids_BS, attention_mask={"full_attention": None},
                              use_cache=False).last_hidden_state
 
     @classmethod

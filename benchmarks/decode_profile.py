@@ -73,10 +73,13 @@ def measure(model: Path, name: str, args) -> list[dict]:
     SDPA_BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                      "cudnn": SDPBackend.CUDNN_ATTENTION}
 
-    from rollmarket.engines import RolloutEngine, SamplingParams
+    from rollmarket.engines import RolloutEngine
+    from rollmarket.engines.loading import load_model
 
-    engine = RolloutEngine.from_path(model, args.precision, args.device)
-    prompt = engine.encode_chat(MESSAGES)
+    loaded = load_model(model, args.precision, args.device)
+    engines = {kv: RolloutEngine(loaded, kv="padded" if kv == "padded" else "slots", graphs=kv == "graphs")
+               for kv in args.kv}
+    prompt = next(iter(engines.values())).encode_chat(MESSAGES)
     rows = []
 
     def sync() -> None:
@@ -93,42 +96,47 @@ def measure(model: Path, name: str, args) -> list[dict]:
             walls.append(1000 * (time.perf_counter() - started))
         return walls
 
-    for sdpa in args.sdpa:
-        # SDPA's choice of attention kernel for the decode's masked attention, or one pinned.
-        pinned = contextlib.nullcontext() if sdpa == "default" else sdpa_kernel([SDPA_BACKENDS[sdpa]])
-        with pinned:
-            for batch in args.batches:
-                total = args.warm + 2 * args.steps + 1
-                params = [SamplingParams(temperature=1.0, max_tokens=total, seed=s, ignore_eos=True)
-                          for s in range(batch)]
-                # The same session twice: the first pass meets every cache length for the first
-                # time in this process (with this kernel choice), the second meets them again
-                # (whatever the host sets up per new shape, it has then done).
-                passes = []
-                try:
-                    for _ in range(2):
-                        session = engine.session()
-                        session.add([prompt] * batch, params)
-                        warm = timed_steps(session, args.warm)
-                        passes.append((warm, timed_steps(session, args.steps)))
-                except RuntimeError as exc:  # a pinned kernel that cannot take a masked decode
-                    rows.append({"model": name, "batch": batch, "sdpa": sdpa, "error": str(exc)[:300]})
-                    console.print(f"  {name} batch {batch:>3} sdpa {sdpa}: {str(exc)[:120]}")
-                    continue
-                (warm, walls), (warm_again, walls_again) = passes
-                row = {"model": name, "batch": batch, "sdpa": sdpa, "steps": args.steps, "warm": args.warm,
-                       "wall_ms": statistics.median(walls), "wall_ms_runs": walls, "warm_ms_runs": warm,
-                       "wall_ms_again": statistics.median(walls_again), "wall_ms_runs_again": walls_again,
-                       "warm_ms_runs_again": warm_again, **profile_steps(session, args.steps, args.device)}
-                rows.append(row)
-                console.print(f"  {name} batch {batch:>3} sdpa {sdpa}: {row['wall_ms']:.2f} ms a step, "
-                              f"{row['wall_ms_again']:.2f} ms the second time"
-                              + (f", {row['kernel_ms']:.2f} ms of kernels ({row['kernels_per_step']:.0f} launches)"
-                                 if row["kernel_ms"] else ""))
-    del engine
+    for kv, engine in engines.items():
+        for sdpa in args.sdpa:
+            # SDPA's choice of attention kernel for the decode's masked attention, or one pinned.
+            pinned = contextlib.nullcontext() if sdpa == "default" else sdpa_kernel([SDPA_BACKENDS[sdpa]])
+            with pinned:
+                for batch in args.batches:
+                    rows += measure_case(engine, prompt, name, kv, sdpa, batch, args, timed_steps)
+    del engines, loaded
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows
+
+
+def measure_case(engine, prompt: list[int], name: str, kv: str, sdpa: str, batch: int, args, timed_steps) -> list[dict]:
+    from rollmarket.engines import SamplingParams
+
+    total = args.warm + 2 * args.steps + 1
+    params = [SamplingParams(temperature=1.0, max_tokens=total, seed=s, ignore_eos=True) for s in range(batch)]
+    # The same session twice: the first pass meets every cache length for the first time in this
+    # process (with this kernel choice), the second meets them again (whatever the host sets up
+    # per new shape, it has then done). Graphs are captured during the warm steps.
+    passes = []
+    try:
+        for _ in range(2):
+            session = engine.session()
+            session.add([prompt] * batch, params)
+            warm = timed_steps(session, args.warm)
+            passes.append((warm, timed_steps(session, args.steps)))
+    except RuntimeError as exc:  # a pinned kernel that cannot take a masked decode
+        console.print(f"  {name} {kv} batch {batch:>3} sdpa {sdpa}: {str(exc)[:120]}")
+        return [{"model": name, "kv": kv, "batch": batch, "sdpa": sdpa, "error": str(exc)[:300]}]
+    (warm, walls), (warm_again, walls_again) = passes
+    row = {"model": name, "kv": kv, "batch": batch, "sdpa": sdpa, "steps": args.steps, "warm": args.warm,
+           "wall_ms": statistics.median(walls), "wall_ms_runs": walls, "warm_ms_runs": warm,
+           "wall_ms_again": statistics.median(walls_again), "wall_ms_runs_again": walls_again,
+           "warm_ms_runs_again": warm_again, **profile_steps(session, args.steps, args.device)}
+    console.print(f"  {name} {kv} batch {batch:>3} sdpa {sdpa}: {row['wall_ms']:.2f} ms a step, "
+                  f"{row['wall_ms_again']:.2f} ms the second time"
+                  + (f", {row['kernel_ms']:.2f} ms of kernels ({row['kernels_per_step']:.0f} launches)"
+                     if row["kernel_ms"] else ""))
+    return [row]
 
 
 def main() -> None:
@@ -145,12 +153,18 @@ def main() -> None:
     parser.add_argument("--sdpa", default="default",
                         help="Attention kernels to pin for the decode, comma-separated: default (SDPA's own "
                              f"choice), {', '.join(SDPA_NAMES)}.")
+    parser.add_argument("--kv", default="padded,slots",
+                        help="Decode KV caches, comma-separated: padded (DynamicCache), slots (eager), graphs "
+                             "(slots replayed as CUDA graphs).")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     args.precision = args.precision or ("bf16" if cuda else "fp32")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.sdpa = [s for s in args.sdpa.split(",") if s]
+    args.kv = [k for k in args.kv.split(",") if k]
+    if set(args.kv) - {"padded", "slots", "graphs"}:
+        parser.error(f"unknown --kv {sorted(set(args.kv) - {'padded', 'slots', 'graphs'})}: use padded, slots, graphs")
     unknown = set(args.sdpa) - {"default", *SDPA_NAMES}
     if unknown:
         parser.error(f"unknown --sdpa {sorted(unknown)}: use default or {', '.join(SDPA_NAMES)}")
@@ -171,13 +185,13 @@ def main() -> None:
             rows += measure(materialise(shape, args, Path(folder)), shape, args)
 
     table = Table(title=f"One decode step on {args.device} at {args.precision}: wall against kernels")
-    for column in ("model", "attention", "batch", "wall ms", "again", "kernel ms", "launches", "again ÷ kernels"):
-        table.add_column(column, justify="left" if column in ("model", "attention") else "right")
+    for column in ("model", "kv", "attention", "batch", "wall ms", "again", "kernel ms", "launches", "again ÷ kernels"):
+        table.add_column(column, justify="left" if column in ("model", "kv", "attention") else "right")
     for r in rows:
         if "error" in r:
-            table.add_row(r["model"], r["sdpa"], str(r["batch"]), "failed", r["error"][:40], "", "", "")
+            table.add_row(r["model"], r["kv"], r["sdpa"], str(r["batch"]), "failed", r["error"][:40], "", "", "")
             continue
-        table.add_row(r["model"], r["sdpa"], str(r["batch"]), f"{r['wall_ms']:.2f}", f"{r['wall_ms_again']:.2f}",
+        table.add_row(r["model"], r["kv"], r["sdpa"], str(r["batch"]), f"{r['wall_ms']:.2f}", f"{r['wall_ms_again']:.2f}",
                       f"{r['kernel_ms']:.2f}" if r["kernel_ms"] else "-",
                       f"{r['kernels_per_step']:.0f}" if r["kernels_per_step"] else "-",
                       f"{r['wall_ms_again'] / r['kernel_ms']:.1f}x" if r["kernel_ms"] else "-")

@@ -44,10 +44,12 @@ BENCHMARKS=(
   "teacher_forcing-graphs-eager|150|benchmarks/teacher_forcing.py --device cuda --shapes qwen3-0.6b --methods engine-eager,engine-eager-cudagraphs,naive"
   "learner_step|400|benchmarks/learner_step.py --device cuda --world-size 2 --layouts default,root-kept,kept,prefetch,kept-prefetch"
   "learner_ranks|200|benchmarks/learner_ranks.py --device cuda --ranks 2"
-  "serve_throughput|330|benchmarks/serve_throughput.py --device cuda --repeats 2"
+  "serve_throughput|330|benchmarks/serve_throughput.py --device cuda --repeats 3"
+  "serve_throughput-clients|330|benchmarks/serve_throughput.py --device cuda --repeats 3 --clients 4"
+  "serve_throughput-long|200|benchmarks/serve_throughput.py --device cuda --repeats 3 --model models/tiny-dense --shape none --max-tokens 256"
   "sampler_cpu|40|benchmarks/sampler_cpu.py --device cuda"
   "serve_profile|150|benchmarks/serve_profile.py --device cuda"
-  "decode_profile|200|benchmarks/decode_profile.py --device cuda --sdpa default,efficient,cudnn"
+  "decode_profile|200|benchmarks/decode_profile.py --device cuda --kv padded,slots,graphs"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other
 # three about 3 min each by their authors' estimates): the budget cuts the last steps short and the
@@ -113,7 +115,7 @@ run_tests() {
   fi
   # --noconftest: the suite's conftest needs the server packages; this file needs none of it.
   step tests "$TESTS_S" "$PY" -m pytest tests/test_gpu_kernels.py tests/test_gpu_learner_head.py \
-    tests/test_sampling.py tests/test_serve_batching.py tests/test_gpu_graphs.py --noconftest -p no:cacheprovider \
+    tests/test_sampling.py tests/test_serve_batching.py tests/test_gpu_graphs.py tests/test_decode_slots.py --noconftest -p no:cacheprovider \
     -o addopts="" -rs --durations=10 --junitxml="$LOGS/gpu_tests.xml"
   step tests-summary 60 "$PY" benchmarks/gpu_test_summary.py "$LOGS/gpu_tests.xml" \
     --out "$RESULTS/gpu_tests-cuda.json"

@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import inspect
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -47,6 +48,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import httpx
 from rich.console import Console
@@ -89,8 +91,9 @@ def _start_server(model: Path, args, log: Path, extra: tuple[str, ...] = ()) -> 
     raise RuntimeError(f"serve-model at {url} did not come up:\n{log.read_text()[-4000:]}")
 
 
-async def _burst(client, name: str, batch: int, max_tokens: int) -> tuple[float, int, list[float]]:
-    """``batch`` concurrent requests; (wall seconds, completion tokens, per-request seconds)."""
+async def _requests(client, name: str, seeds: list[int], max_tokens: int) -> tuple[list[tuple[int, float]], float]:
+    """Concurrent requests from one client, one per seed: ((completion tokens, seconds) per
+    request, CPU seconds of this process meanwhile: the openai client's own share of HTTP)."""
     async def one(seed: int) -> tuple[int, float]:
         started = time.perf_counter()
         resp = await client.chat.completions.create(
@@ -99,9 +102,39 @@ async def _burst(client, name: str, batch: int, max_tokens: int) -> tuple[float,
         assert resp.usage.completion_tokens == max_tokens, resp.usage
         return resp.usage.completion_tokens, time.perf_counter() - started
 
+    cpu = time.process_time()
+    done = await asyncio.gather(*(one(seed) for seed in seeds))
+    return list(done), time.process_time() - cpu
+
+
+_CHILD: dict = {}
+"""A client process's event loop and AsyncOpenAI client (``--clients`` > 1)."""
+
+
+def _child_start(url: str) -> None:
+    from openai import AsyncOpenAI
+
+    _CHILD["loop"] = asyncio.new_event_loop()
+    _CHILD["client"] = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _child_requests(name: str, seeds: list[int], max_tokens: int) -> tuple[list[tuple[int, float]], float]:
+    return _CHILD["loop"].run_until_complete(_requests(_CHILD["client"], name, seeds, max_tokens))
+
+
+async def _burst(client, name: str, batch: int, max_tokens: int, pool=None,
+                 clients: int = 1) -> tuple[float, int, list[float], float]:
+    """``batch`` concurrent requests, from this process or split over ``clients`` client processes
+    (``pool``), as rollout workers send them; (wall seconds, completion tokens, per-request
+    seconds, client CPU seconds summed over the processes)."""
     started = time.perf_counter()
-    done = await asyncio.gather(*(one(seed) for seed in range(batch)))
-    return time.perf_counter() - started, sum(t for t, _ in done), [s for _, s in done]
+    if pool is None:
+        done, cpu = await _requests(client, name, list(range(batch)), max_tokens)
+    else:
+        shares = [(name, list(range(batch))[i::clients], max_tokens) for i in range(clients)]
+        parts = await asyncio.to_thread(pool.starmap, _child_requests, shares)
+        done, cpu = [d for part, _ in parts for d in part], sum(c for _, c in parts)
+    return time.perf_counter() - started, sum(t for t, _ in done), [s for _, s in done], cpu
 
 
 async def _warm(burst, most: int = 4, within: float = 0.15) -> int:
@@ -132,18 +165,25 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
             client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
             stats = httpx.AsyncClient(base_url=url, timeout=60)
             for batch in args.batches:
+                clients = min(args.clients, batch)
+                pool = pools.get(clients)
+                if clients > 1 and pool is None:
+                    # spawn: the children import nothing of this process's torch or threads.
+                    pool = pools[clients] = multiprocessing.get_context("spawn").Pool(
+                        clients, initializer=_child_start, initargs=(url,))
                 # Warm-up at the measured length until two bursts agree: new shapes pay one-time
                 # costs (compiles) for more than one burst (on an H100 after batch 1's bursts the
                 # first batch-32 burst past one warm-up still ran at 1/7 of the next one's rate).
                 async def http_rate() -> float:
-                    wall, tokens, _ = await _burst(client, name, batch, args.max_tokens)
+                    wall, tokens, _, _ = await _burst(client, name, batch, args.max_tokens, pool, clients)
                     return tokens / wall
 
                 warmups = await _warm(http_rate)
-                rates, latencies, engine_batches, inside = [], [], [], []
+                rates, latencies, engine_batches, inside, client_cpu = [], [], [], [], []
                 for _ in range(args.repeats):
                     before = (await stats.get("/v1/engine")).json()
-                    wall, tokens, per_request = await _burst(client, name, batch, args.max_tokens)
+                    wall, tokens, per_request, cpu = await _burst(client, name, batch, args.max_tokens, pool, clients)
+                    client_cpu.append(cpu)
                     after = (await stats.get("/v1/engine")).json()
                     engine_batches.append(after["batches"] - before["batches"])
                     rates.append(tokens / wall)
@@ -156,9 +196,11 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
                                    "step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),
                                    "queue_ms_mean": 1000 * delta["queue_seconds"] / batch})
                 rows.append({"model": name, "path": "http", "batch": batch, "max_tokens": args.max_tokens,
+                             "clients": clients,
                              "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
                              "request_p50_s": statistics.median(latencies), "engine_batches": engine_batches,
-                             "warmups": warmups,
+                             "warmups": warmups, "client_cpu_s_runs": client_cpu,
+                             "client_cpu_ms_per_request": 1000 * statistics.median(client_cpu) / batch,
                              "server": inside, "server_step_ms": statistics.median(r["step_ms"] for r in inside),
                              "decode_share": statistics.median((r["decode_seconds"] + r["prefill_seconds"]) / r["wall_s"]
                                                                for r in inside),
@@ -166,11 +208,17 @@ def bench_server(model: Path, args, log: Path) -> list[dict]:
                 console.print(f"  http   batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s "
                               f"(prefills per burst: {engine_batches}; server step "
                               f"{rows[-1]['server_step_ms']:.2f} ms, decode+prefill {rows[-1]['decode_share']:.0%} of wall, "
-                              f"mean queue wait {rows[-1]['queue_ms_mean']:.1f} ms)")
+                              f"mean queue wait {rows[-1]['queue_ms_mean']:.1f} ms, client CPU "
+                              f"{rows[-1]['client_cpu_ms_per_request']:.2f} ms per request)")
             await client.close()
             await stats.aclose()
 
-        asyncio.run(run())
+        pools: dict[int, Any] = {}
+        try:
+            asyncio.run(run())
+        finally:
+            for pool in pools.values():
+                pool.terminate()
     finally:
         proc.terminate()
         proc.wait(30)
@@ -261,6 +309,8 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
     import torch
 
     from rollmarket.engines import RolloutEngine, SamplingParams
+    from rollmarket.engines.rollout import PaddedKV
+    from rollmarket.engines.slots import SlotKV
     from rollmarket.engines.sampling import RowBatch
 
     engine = RolloutEngine.from_path(model, args.precision, args.device)
@@ -297,9 +347,12 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                              "request_p50_s": None, "engine_batches": [1] * len(rates), "warmups": warmups})
                 console.print(f"  {sampler:<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
 
-                # The split: the same decode, each forward and each draw timed between syncs.
+                # The split: the same decode, each forward (the KV store's decode: the model's
+                # forward, or its CUDA graph's replay) and each draw timed between syncs.
                 spent = {"forward": 0.0, "sample": 0.0}
-                draw, forward = RowBatch.draw, engine.model.forward
+                draw = RowBatch.draw
+                store = SlotKV if engine.kv == "slots" else PaddedKV
+                forward = store.decode
 
                 def timed(kind, fn):
                     def run(*a, **k):
@@ -312,18 +365,17 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                     return run
 
                 RowBatch.draw = timed("sample", draw)
-                engine.model.forward = timed("forward", forward)
+                store.decode = timed("forward", forward)
                 try:
                     steps = min(args.split_steps, args.max_tokens)
                     session = engine.session()
                     session.add([prompt] * batch, [SamplingParams(max_tokens=steps, seed=s, ignore_eos=True)
                                                    for s in range(batch)])
-                    spent["forward"] = 0.0  # the prefill is not a decode step
                     for _ in range(steps):
                         session.step()
                 finally:
                     RowBatch.draw = draw
-                    del engine.model.forward
+                    store.decode = forward
                 step_ms = 1000 * (spent["forward"] + spent["sample"]) / steps
                 splits.append({"model": name, "sampler": sampler, "batch": batch, "steps": steps,
                                "forward_ms": 1000 * spent["forward"] / max(steps - 1, 1),
@@ -394,8 +446,11 @@ def main() -> None:
                         help="torch CPU threads for server and engine; default 1 on cpu, torch's own on cuda.")
     parser.add_argument("--shape", default=None,
                         help=f"Comma-separated random-weight shapes from {', '.join(SHAPES)} (teacher_forcing's); "
-                             f"default none on cpu, {DEFAULT_SHAPES['cuda']} on cuda ('' for none).")
+                             f"default none on cpu, {DEFAULT_SHAPES['cuda']} on cuda ('' or none for none).")
     parser.add_argument("--split-steps", type=int, default=32, help="Decode steps timed for the forward/sampling split.")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="Client processes a burst's HTTP requests are split over (as rollout workers send "
+                             "them); 1: all from this process, whose openai client's CPU then adds to the wall.")
     parser.add_argument("--no-engine", action="store_true", help="Skip the in-process engine comparison.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Where to write the results as JSON; default benchmarks/results/serve_throughput.json "
@@ -405,7 +460,7 @@ def main() -> None:
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     args.out = args.out or REPO / "benchmarks" / "results" / (
         "serve_throughput-cuda.json" if kind == "cuda" else "serve_throughput.json")
-    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x]
+    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x and x != "none"]
     models = [m.resolve() for m in (args.model or DEFAULT_MODELS)]
     if args.threads is None:
         args.threads = 1 if args.device == "cpu" else 0
@@ -469,7 +524,8 @@ def main() -> None:
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
-            "threads": args.threads or None, "batch_window_ms": args.batch_window_ms, "max_tokens": args.max_tokens, "batches": args.batches, "models": [str(m) for m in models[:len(models) - len(shapes)]], "shapes": shapes,
+            "threads": args.threads or None, "batch_window_ms": args.batch_window_ms, "max_tokens": args.max_tokens, "clients": args.clients,
+            "batches": args.batches, "models": [str(m) for m in models[:len(models) - len(shapes)]], "shapes": shapes,
             "command": " ".join(sys.argv)}
     console.print(meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -360,35 +360,72 @@ def _():
             f"timed between device synchronisations ({result['split'][0]['steps']} steps):\n\n{steps}")
 
 
-SERVE_CUDA_RUNS = ("benchmarks/results/serve_throughput-cuda-h100.json",
-                   "benchmarks/results/serve_throughput-cuda-h200x2.json", SERVE_CUDA)
-"""Every committed GPU run of the same benchmark since its warm-ups settled, oldest first."""
+SERVE_CUDA_RUNS = (
+    ("benchmarks/results/serve_throughput-cuda-h100.json", "padded"),
+    ("benchmarks/results/serve_throughput-cuda-h200x2.json", "padded"),
+    ("benchmarks/results/serve_throughput-cuda-h200-padded.json", "padded"),
+    ("benchmarks/results/serve_throughput-cuda-h200-slots.json", "slots + graphs"),
+    ("benchmarks/results/serve_throughput-cuda-h200-slots2.json", "slots + graphs"),
+    ("benchmarks/results/serve_throughput-long-cuda.json", "slots + graphs"),
+    ("benchmarks/results/serve_throughput-clients-cuda-1.json", "slots + graphs"),
+    ("benchmarks/results/serve_throughput-cuda-h200-slots3.json", "slots + graphs"),
+    ("benchmarks/results/serve_throughput-clients-cuda.json", "slots + graphs"),
+    (SERVE_CUDA, "slots + graphs, gc frozen"),
+)
+"""Every committed GPU run of the same benchmark since its warm-ups settled, oldest first, with the
+decode's KV cache it ran (``padded``: the DynamicCache before engines/slots.py; tiny-moe, an MoE
+model, always decodes eagerly; ``gc frozen``: serve-model freezes its start-up objects out of the
+garbage collector's full passes)."""
 
 
 @block("serve-runs")
 def _():
-    present = [path for path in SERVE_CUDA_RUNS if (ROOT / path).exists()]
-    out, met = [], {m: 0 for m in SERVE_MODELS}
-    for path in present:
+    present = [(path, kv) for path, kv in SERVE_CUDA_RUNS if (ROOT / path).exists()]
+    out = []
+    met: dict[tuple[str, str], list[int]] = {}
+    for path, kv in present:
         meta, rows = load(path)["meta"], _serve(path)
         for model, label in SERVE_MODELS.items():
+            if (model, "http", 32) not in rows:
+                continue
             http, engine, batcher = (rows[(model, p, 32)]["tokens_per_s"] for p in ("http", "engine", "batcher"))
-            met[model] += http / engine >= 0.8
+            tally = met.setdefault((label, kv), [0, 0])
+            tally[0] += http / engine >= 0.8
+            tally[1] += 1
             spread = rows[(model, "http", 32)].get("tokens_per_s_runs") or [http]
-            out.append([f"{meta['date'][:16].replace('T', ' ')}, {meta['device_name']}, {meta['cpus']} CPUs", label,
+            out.append([f"{meta['date'][:16].replace('T', ' ')}, {meta['device_name']}, {meta['cpus']} CPUs",
+                        kv, str(rows[(model, "http", 32)].get("clients", 1)), str(meta["max_tokens"]), label,
                         n(engine), n(batcher), n(http), ", ".join(n(x) for x in spread),
                         bold(times(http / engine, 3), True), times(http / batcher)])
-    verdict = "; ".join(f"{label} in {met[m]} of {len(present)}" for m, label in SERVE_MODELS.items())
-    newest = load(present[-1])["meta"]
-    return ("Raw results: " + ", ".join(f"`{p}`" for p in present)
+    verdict = "; ".join(f"{label} ({kv}) in {ok} of {runs}" for (label, kv), (ok, runs) in met.items())
+    newest = load(present[-1][0])["meta"]
+    return ("Raw results: " + ", ".join(f"`{p}`" for p, _ in present)
             + f". Machine: {newest['machine']}, Python {newest['python']}, torch {newest['torch']}, "
             f"the card and CPUs of each run in its row. Date: {newest['date']} (the newest).\n\n"
-            + table(["run", "model", "engine b32 tok/s", "batcher b32 tok/s", "HTTP b32 tok/s", "HTTP bursts tok/s",
-                   "**HTTP / engine**", "HTTP / batcher"], list("llrrrrrr"), out)
+            + table(["run", "decode KV", "client processes", "tokens per request", "model", "engine b32 tok/s",
+                     "batcher b32 tok/s", "HTTP b32 tok/s", "HTTP bursts tok/s", "**HTTP / engine**",
+                     "HTTP / batcher"], list("llrrlrrrrrr"), out)
             + f"\n\nHTTP at batch 32 at least 0.8× the engine alone, by run: {verdict}.")
 
 
 DECODE_PROFILE = "benchmarks/results/decode_profile-cuda.json"
+DECODE_PROFILE_SDPA = "benchmarks/results/decode_profile-sdpa-cuda.json"
+KV_LABELS = {"padded": "padded DynamicCache", "slots": "slots, eager", "graphs": "slots, CUDA graphs"}
+
+
+def _decode_rows(data: dict, column: str) -> tuple[list[list[str]], list[str]]:
+    rows, failed = [], []
+    for r in data["rows"]:
+        label = KV_LABELS.get(r.get(column), r.get(column)) if column == "kv" else r.get(column, "default")
+        if "error" in r:
+            failed.append(f"{SERVE_MODELS.get(r['model'], r['model'])} at batch {r['batch']} with {label}: "
+                          f"{r['error'][:120]}")
+            continue
+        runs = r["wall_ms_runs"]
+        rows.append([SERVE_MODELS.get(r["model"], r["model"]), label, str(r["batch"]), n(r["kernels_per_step"]),
+                     n(r["kernel_ms"], 2), f"{n(r['wall_ms'], 1)} ({n(min(runs), 1)}–{n(max(runs), 1)})",
+                     n(r["wall_ms_again"], 1), bold(times(r["wall_ms_again"] / r["kernel_ms"], 1))])
+    return rows, failed
 
 
 @block("decode-profile")
@@ -397,33 +434,19 @@ def _():
         return (f"Not measured yet: `{DECODE_PROFILE}` is absent "
                 "(`bash benchmarks/gpu_run.sh decode_profile` on the device).")
     data = load(DECODE_PROFILE)
-    serve = load(SERVE_CUDA)
-    steady = {(s["model"], s["batch"]): s["step_ms"] for s in serve["split"] if s["sampler"] == "engine"}
-    measured = [r for r in data["rows"] if "error" not in r]
-    failed = [f"{r['model']} at batch {r['batch']} with `{r['sdpa']}` attention: {r['error'][:120]}"
-              for r in data["rows"] if "error" in r]
-    again = "wall_ms_again" in measured[0]  # two passes over the same lengths (the script since its first run)
-    pinned = any(r.get("sdpa", "default") != "default" for r in measured)
-    rows = []
-    for r in measured:
-        warm = steady.get((r["model"], r["batch"]))
-        runs = r["wall_ms_runs"]
-        cells = [SERVE_MODELS.get(r["model"], r["model"]), *([r["sdpa"]] if pinned else []), str(r["batch"]),
-                 n(r["kernels_per_step"]),
-                 n(r["kernel_ms"], 2), f"{n(r['wall_ms'], 1)} ({n(min(runs), 1)}–{n(max(runs), 1)})"]
-        if again:
-            cells.append(n(r["wall_ms_again"], 1))
-        cells += [n(warm, 1) if warm else "–", bold(times(warm / r["kernel_ms"], 1)) if warm else "–"]
-        rows.append(cells)
-    heads = ["model", *(["attention"] if pinned else []), "batch", "kernels a step", "kernels ms a step",
-             "step wall ms, shapes new to the process: median (range)"]
-    if again:
-        heads.append("the same shapes again")
-    heads += ["step ms after serve_throughput's warm bursts", "**that ÷ kernels**"]
-    return (provenance(DECODE_PROFILE, data) + f" Steps after warm bursts: the decode split of `{SERVE_CUDA}` ("
-            + provenance(SERVE_CUDA, serve["meta"], inline=True) + ").\n\n"
-            + table(heads, ["l"] * (2 if pinned else 1) + ["r"] * (len(heads) - (2 if pinned else 1)), rows)
-            + ("\n\nNot measured: " + "; ".join(failed) + "." if failed else ""))
+    heads = ["model", "{}", "batch", "kernels a step", "kernels ms a step",
+             "step wall ms, first pass: median (range)", "second pass", "**second ÷ kernels**"]
+    rows, failed = _decode_rows(data, "kv")
+    out = (provenance(DECODE_PROFILE, data) + "\n\n"
+           + table([h.format("decode KV cache") for h in heads], list("llrrrrrr"), rows))
+    if (ROOT / DECODE_PROFILE_SDPA).exists():
+        sdpa = load(DECODE_PROFILE_SDPA)
+        rows, failed_sdpa = _decode_rows(sdpa, "sdpa")
+        failed += failed_sdpa
+        out += ("\n\nThe padded cache with each masked attention kernel pinned in turn (before the slots): "
+                + provenance(DECODE_PROFILE_SDPA, sdpa) + "\n\n"
+                + table([h.format("attention") for h in heads], list("llrrrrrr"), rows))
+    return out + ("\n\nNot measured: " + "; ".join(failed) + "." if failed else "")
 
 
 SAMPLER = "benchmarks/results/sampler_cpu.json"

@@ -185,6 +185,8 @@ def test_services_that_need_no_model_run_without_torch_mapped(tmp_path, service)
     (["serve-model", "models/no-such-model"], 2, ["models/no-such-model", "models/tiny-moe"]),
     (["serve-model", "docs"], 2, ["no config.json"]),
     (["serve-model", "models/tiny-moe", "--precision", "fp9"], 2, ["fp9", "fp32, bf16, fp16, fp8"]),
+    (["serve-model", "models/tiny-dense", "--device", "cpu", "--decode-graphs", "--port", "0"], 2,
+     ["CUDA graphs need a CUDA device", "--device cuda"]),
     (["worker", "--model", "models/no-such-model"], 2, ["models/no-such-model"]),
     (["observe", "--model", "models/no-such-model"], 2, ["models/no-such-model"]),
     (["observe", "--model", "models/tiny-moe", "--suite", "agnt", "--runs-dir", "{tmp}/runs"], 2,

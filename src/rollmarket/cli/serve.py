@@ -6,7 +6,7 @@ import click
 from rich.console import Console
 
 from ..serve.settings import ServeSettings
-from .options import ModelDir, precision_list, settings_options
+from .options import ModelDir, Refused, precision_list, settings_options
 
 console = Console(stderr=True)
 
@@ -30,6 +30,7 @@ def serve_model(model_path: str, log_level: str, **values) -> None:
     import uvicorn
 
     from ..engines import RolloutEngine
+    from ..engines.loading import load_model
     from ..serve import create_serve_app
 
     if settings.threads:
@@ -37,13 +38,26 @@ def serve_model(model_path: str, log_level: str, **values) -> None:
 
         torch.set_num_threads(settings.threads)
     with console.status(f"loading {model_path} at {settings.precision}"):
-        engine = RolloutEngine.from_path(model_path, settings.precision, settings.device)
+        loaded = load_model(model_path, settings.precision, settings.device)
+    try:
+        engine = RolloutEngine(loaded, kv=settings.kv_cache, graphs=settings.decode_graphs)
+    except ValueError as exc:  # slots for a sliding-window model, graphs without CUDA
+        raise Refused(str(exc), "leave --kv-cache and --decode-graphs at their defaults (auto), or serve on "
+                                "--device cuda for graphs", param_hint="--kv-cache/--decode-graphs") from None
     info = engine.info
     name = settings.served_model_name or info.name
     kind = f"MoE {info.num_moe_layers} layers x {info.num_experts} experts, top-{info.top_k}" if info.is_moe else "dense"
     console.print(f"[bold]rollmarket serve-model[/] {name} ({info.architecture}, {kind}) at "
-                  f"{engine.precision.value} on {engine.loaded.device}")
+                  f"{engine.precision.value} on {engine.loaded.device}, KV {engine.kv}"
+                  f"{' with CUDA graphs' if engine.graphs else ''}")
     console.print(f"OpenAI API on http://{settings.host}:{settings.port}/v1  (model={name!r})")
     app = create_serve_app(engine, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level, access_log=False)
+    # torch, transformers and the app leave ~0.5M long-lived objects that every full garbage
+    # collection would walk (~0.1-0.2 s, stalling the decode thread and the event loop at random,
+    # since requests' short-lived objects trigger them); frozen, they are skipped.
+    import gc
+
+    gc.collect()
+    gc.freeze()
     uvicorn.Server(config).run(sockets=[sock])

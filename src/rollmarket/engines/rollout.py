@@ -26,6 +26,7 @@ from .precision import Precision
 from .routing import RouterCapture
 from .teacher import TrainerEngine
 from .sampling import RowBatch, SamplingParams, sequence_key
+from .slots import SlotKV
 
 
 @dataclass
@@ -69,6 +70,8 @@ class _Row:
     key: int
     cached: int = 0
     """Cache columns that hold this row's tokens (its prompt, then each token fed back)."""
+    slot: int = -1
+    """Its slot in a ``SlotKV`` cache (-1 in a padded cache)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -83,7 +86,11 @@ class RolloutEngine:
 
     name = "rollmarket-hf"
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, *, kv: str = "auto", graphs: bool | None = None):
+        """``kv``: the decode's KV cache, ``slots`` (fixed slots: fixed step shapes), ``padded``
+        (transformers' DynamicCache, left-padded) or ``auto`` (slots where the model allows them).
+        ``graphs``: replay slot decode steps as CUDA graphs; None = on CUDA for models without MoE
+        routers (see ``slots``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -94,10 +101,37 @@ class RolloutEngine:
         self._fingerprint: str | None = None
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                           else self.info.eos_token_ids[0])
+        if kv not in ("auto", "slots", "padded"):
+            raise ValueError(f"kv must be auto, slots or padded, not {kv!r}")
+        why_not = SlotKV.supports(self.model)
+        if kv == "slots" and why_not:
+            raise ValueError(f"this model cannot decode over KV slots: {why_not}")
+        self.kv = "padded" if kv == "padded" or why_not else "slots"
+        """The decode's KV cache: ``slots`` or ``padded``."""
+        if graphs is None:
+            graphs = loaded.device.type == "cuda" and not self.info.is_moe
+        if graphs and loaded.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.graphs = graphs and self.kv == "slots"
+        """Whether slot decode steps are replayed as CUDA graphs."""
+        self._idle_slots: list[SlotKV] = []
+        """Slot stores of finished sessions, kept with their graphs for the next session (graphed
+        engines only: capturing costs a few forwards per shape, every ``generate`` would pay it)."""
+
+    def slot_store(self) -> SlotKV:
+        """An empty slot store for a session: one a finished session gave back, or a new one."""
+        if self._idle_slots:
+            return self._idle_slots.pop().reuse()
+        return SlotKV(self.model, self.pad_id, graphs=self.graphs)
+
+    def give_back(self, store: SlotKV) -> None:
+        """A session's store, empty again: kept for the next session when it holds graphs."""
+        if self.graphs and not store.owner and len(self._idle_slots) < 2:
+            self._idle_slots.append(store)
 
     @classmethod
-    def from_path(cls, path, precision: str | Precision = "fp32", device="cpu") -> "RolloutEngine":
-        return cls(load_model(path, precision, device))
+    def from_path(cls, path, precision: str | Precision = "fp32", device="cpu", **kw) -> "RolloutEngine":
+        return cls(load_model(path, precision, device), **kw)
 
     @property
     def precision(self) -> Precision:
@@ -183,16 +217,17 @@ class DecodeSession:
     """A running batch: ``add`` sequences at any time, ``step`` decodes one token for each.
 
     Not thread-safe: one caller (the server's decode thread). A row's results do not depend on
-    when it joined or beside whom it runs, up to the summation order of padded matmuls.
+    when it joined or beside whom it runs, up to the summation order of padded matmuls. Its KV
+    cache is the engine's kind (``RolloutEngine.kv``): fixed slots (``slots.SlotKV``, whose decode
+    steps CUDA graphs replay) or one left-padded ``DynamicCache`` (``PaddedKV``).
     """
 
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
         self.rows: list[_Row] = []
         self._count = 0
-        self._cache: Any = None
-        """transformers' DynamicCache of the running rows (None while no row runs)."""
-        self._mask_BS: torch.Tensor | None = None
+        self.kv: SlotKV | PaddedKV | None = None
+        """The running rows' KV cache (None while no row runs: taken on the first ``add``)."""
         self._logits_BV: torch.Tensor | None = None
         self._experts_BLK: torch.Tensor | None = None
         self._sampler: RowBatch | None = None
@@ -242,36 +277,20 @@ class DecodeSession:
                 r.prompt_experts = experts_BSLK[b, longest - r.prompt.size:longest - 1].numpy()
         logits_BV = out.logits[:, -1].float()
         experts_BLK = experts_BSLK[:, -1] if experts_BSLK is not None else None
+        if self.kv is None:
+            self.kv = engine.slot_store() if engine.kv == "slots" else PaddedKV(engine)
+        self.kv.join(new, cache, mask_BS)
         if self.rows:
-            self._join(cache, mask_BS, logits_BV, experts_BLK)
+            assert self._logits_BV is not None  # rows are running
+            self._logits_BV = torch.cat([self._logits_BV, logits_BV], 0)
+            if experts_BLK is not None and self._experts_BLK is not None:
+                self._experts_BLK = torch.cat([self._experts_BLK, experts_BLK], 0)
         else:
-            self._cache, self._mask_BS, self._logits_BV, self._experts_BLK = cache, mask_BS, logits_BV, experts_BLK
+            self._logits_BV, self._experts_BLK = logits_BV, experts_BLK
         self.rows += new
         self._count += n
         self._sampler = None
         return new
-
-    def _join(self, cache, mask_BS: torch.Tensor, logits_BV: torch.Tensor,
-              experts_BLK: torch.Tensor | None) -> None:
-        assert self._mask_BS is not None and self._logits_BV is not None  # rows are running
-        width = max(self._mask_BS.shape[1], mask_BS.shape[1])
-
-        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.shape[dim]
-            if not missing:
-                return t
-            shape = list(t.shape)
-            shape[dim] = missing
-            return torch.cat([t.new_zeros(shape), t], dim)
-
-        # Padded key/value columns are masked out, so their zeros are never attended to.
-        for mine, theirs in zip(_cache_layers(self._cache), _cache_layers(cache)):
-            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)], 0)
-            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)], 0)
-        self._mask_BS = torch.cat([left_pad(self._mask_BS, 1), left_pad(mask_BS, 1)], 0)
-        self._logits_BV = torch.cat([self._logits_BV, logits_BV], 0)
-        if experts_BLK is not None and self._experts_BLK is not None:
-            self._experts_BLK = torch.cat([self._experts_BLK, experts_BLK], 0)
 
     def remove(self, rows: list[_Row]) -> None:
         """Drop running rows (their requests were cancelled) before the next step."""
@@ -281,20 +300,20 @@ class DecodeSession:
     def _keep(self, keep: list[int]) -> None:
         if len(keep) == len(self.rows):
             return
+        assert self.kv is not None and self._logits_BV is not None  # rows were running
+        kept = set(keep)
+        self.kv.leave([r for b, r in enumerate(self.rows) if b not in kept])
         self.rows = [self.rows[b] for b in keep]
         self._sampler = None
         if not keep:
-            self._cache = self._mask_BS = self._logits_BV = self._experts_BLK = None
+            self._logits_BV = self._experts_BLK = None
+            if isinstance(self.kv, SlotKV):
+                # Handed back, graphs and all, for the engine's next session (or this one's next add).
+                self.engine.give_back(self.kv)
+            self.kv = None
             return
-        assert self._mask_BS is not None and self._logits_BV is not None  # rows were running
-        index = torch.tensor(keep, device=self._logits_BV.device)
-        # Columns left of the longest remaining row hold only padding now: trim them.
-        lead = self._mask_BS.shape[1] - max(r.cached for r in self.rows)
-        for layer in _cache_layers(self._cache):
-            layer.keys = layer.keys[index, :, lead:]
-            layer.values = layer.values[index, :, lead:]
-        self._mask_BS = self._mask_BS[index, lead:]
-        self._logits_BV = self._logits_BV[index]
+        self.kv.keep(keep, self.rows)
+        self._logits_BV = self._logits_BV[torch.tensor(keep, device=self._logits_BV.device)]
         if self._experts_BLK is not None:
             self._experts_BLK = self._experts_BLK[torch.tensor(keep)]
 
@@ -305,7 +324,7 @@ class DecodeSession:
         engine = self.engine
         if not self.rows:
             return []
-        assert self._mask_BS is not None and self._logits_BV is not None  # set by add() with the rows
+        assert self._logits_BV is not None  # set by add() with the rows
         if self._sampler is None:
             self._sampler = RowBatch.from_params([r.params for r in self.rows], [r.key for r in self.rows],
                                                  self._logits_BV.shape[-1], self._logits_BV.device)
@@ -329,19 +348,78 @@ class DecodeSession:
                 keep.append(b)
         self._keep(keep)
         if self.rows:
-            device = self._logits_BV.device
-            fed_B1 = torch.tensor([[r.tokens[-1]] for r in self.rows]).to(device, non_blocking=True)
-            position_B1 = torch.tensor([[r.cached] for r in self.rows]).to(device, non_blocking=True)
-            self._mask_BS = torch.cat([self._mask_BS, self._mask_BS.new_ones((len(self.rows), 1))], 1)
-            with self._capture:
-                out = engine.model(input_ids=fed_B1, attention_mask=self._mask_BS, position_ids=position_B1,
-                                   use_cache=True, **{engine._cache_arg: self._cache})
-                if self._capture.active:
-                    self._experts_BLK = self._capture.take(len(self.rows), 1)[:, 0]
-            self._logits_BV = out.logits[:, -1].float()
+            assert self.kv is not None  # rows are running
+            logits_BV, experts_BLK = self.kv.decode(self.rows, self._capture)
+            self._logits_BV = logits_BV
+            if experts_BLK is not None:
+                self._experts_BLK = experts_BLK
             for r in self.rows:
                 r.cached += 1
         return events
+
+
+class PaddedKV:
+    """The running rows' KV cache as one transformers ``DynamicCache``, left-padded so every row's
+    newest token sits in the last column. Joining rows' caches are left-padded to one width and
+    concatenated along the batch; leaving rows are dropped and columns no remaining row uses are
+    trimmed from the left. Works for any model transformers can cache; every step has new shapes."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self._cache: Any = None
+        """transformers' DynamicCache of the running rows (None while no row runs)."""
+        self._mask_BS: torch.Tensor | None = None
+
+    def join(self, rows: list[_Row], cache: Any, mask_BS: torch.Tensor) -> None:
+        if self._mask_BS is None:
+            self._cache, self._mask_BS = cache, mask_BS
+            return
+        width = max(self._mask_BS.shape[1], mask_BS.shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if not missing:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim)
+
+        # Padded key/value columns are masked out, so their zeros are never attended to.
+        for mine, theirs in zip(_cache_layers(self._cache), _cache_layers(cache)):
+            mine.keys = torch.cat([left_pad(mine.keys, 2), left_pad(theirs.keys, 2)], 0)
+            mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)], 0)
+        self._mask_BS = torch.cat([left_pad(self._mask_BS, 1), left_pad(mask_BS, 1)], 0)
+
+    def leave(self, rows: list[_Row]) -> None:
+        pass  # ``keep`` drops them
+
+    def keep(self, keep: list[int], rows: list[_Row]) -> None:
+        """Keep rows ``keep`` (indices into the batch before), now ``rows``."""
+        assert self._mask_BS is not None  # rows were running
+        index = torch.tensor(keep, device=self._mask_BS.device)
+        # Columns left of the longest remaining row hold only padding now: trim them.
+        lead = self._mask_BS.shape[1] - max(r.cached for r in rows)
+        for layer in _cache_layers(self._cache):
+            layer.keys = layer.keys[index, :, lead:]
+            layer.values = layer.values[index, :, lead:]
+        self._mask_BS = self._mask_BS[index, lead:]
+
+    def decode(self, rows: list[_Row], capture: RouterCapture) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self._mask_BS is not None  # rows are running
+        if len(rows) == 0:
+            raise ValueError("no rows to decode")
+        engine = self.engine
+        device = self._mask_BS.device
+        fed_B1 = torch.tensor([[r.tokens[-1]] for r in rows]).to(device, non_blocking=True)
+        position_B1 = torch.tensor([[r.cached] for r in rows]).to(device, non_blocking=True)
+        self._mask_BS = torch.cat([self._mask_BS, self._mask_BS.new_ones((len(rows), 1))], 1)
+        experts_BLK = None
+        with capture:
+            out = engine.model(input_ids=fed_B1, attention_mask=self._mask_BS, position_ids=position_B1,
+                               use_cache=True, **{engine._cache_arg: self._cache})
+            if capture.active:
+                experts_BLK = capture.take(len(rows), 1)[:, 0]
+        return out.logits[:, -1].float(), experts_BLK
 
 
 def _cache_layers(cache) -> list:

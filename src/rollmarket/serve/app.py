@@ -306,6 +306,7 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
                 "model_config_hash": info.model_config_hash, "architecture": info.architecture,
                 "moe_layers": info.num_moe_layers, "num_experts": info.num_experts, "top_k": info.top_k,
                 "max_context_tokens": info.max_context_tokens,
+                "kv_cache": engine.kv, "decode_graphs": engine.graphs,
                 "batches": server.batcher.batches, "sequences": server.batcher.sequences,
                 "largest_batch": server.batcher.largest_batch, "decode_steps": server.batcher.steps,
                 "decode_seconds": server.batcher.step_seconds, "prefill_seconds": server.batcher.prefill_seconds,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +20,13 @@ class ServeSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     threads: int | None = Field(
         None, ge=1, description="torch CPU threads (default: torch's choice); 1 is best on busy shared CPUs.")
+    kv_cache: Literal["auto", "slots", "padded"] = Field(
+        "auto", description="The decode's KV cache: slots (fixed per-sequence slots, so decode steps have fixed "
+                            "shapes that CUDA graphs replay), padded (transformers' DynamicCache, any model) or auto "
+                            "(slots unless a layer has a sliding window).")
+    decode_graphs: bool | None = Field(
+        None, description="Replay decode steps as CUDA graphs (slots only). Default: on CUDA for models without "
+                          "MoE routers.")
     max_batch_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one batch.")
     batch_window_ms: float = Field(
         5.0, ge=0, description="How long an idle server waits after the latest request for more (at most 8 windows "

@@ -1,0 +1,169 @@
+"""The decode over fixed KV slots (engines/slots.py) samples what the padded DynamicCache samples.
+
+Every scenario runs twice over one loaded model, once per KV cache kind, and the tokens must be
+equal and the logprobs equal up to summation order (fp32): rows join mid-generation, leave when
+done, a freed slot is taken by a row with a shorter prompt (the old row's columns past it must stay
+masked), more rows than a fresh cache has slots, and generations longer than its width (both
+grow). On CUDA the slot steps are CUDA graphs (`gpu_run.sh tests`); on the CPU they run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rollmarket.engines import RolloutEngine, SamplingParams
+from rollmarket.engines.loading import load_model
+from rollmarket.engines.slots import MIN_SLOTS, MIN_WIDTH, SlotKV
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _prompt(engine: RolloutEngine, text: str) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": text}])
+
+
+def _scenario(engine: RolloutEngine) -> tuple[list, SlotKV | None]:
+    """Rows joining, leaving and reusing slots; returns every row and the session's store."""
+    long_ = _prompt(engine, "Read the file notes/readme.txt and tell me the port, then search the web "
+                            "for who founded the town of Velmora and summarise it.")
+    short = _prompt(engine, "hi")
+    session = engine.session()
+    rows = session.add([long_], SamplingParams(max_tokens=MIN_WIDTH + 40, **GREEDY))  # outgrows the width
+    for _ in range(3):
+        session.step()
+    # More rows than a fresh store has slots; one seeded, one with top alternatives.
+    prompts = [_prompt(engine, f"Tell me fact number {i} about the sea.") for i in range(MIN_SLOTS + 1)]
+    params = [SamplingParams(max_tokens=6 + i, **GREEDY) for i in range(MIN_SLOTS + 1)]
+    params[1] = SamplingParams(max_tokens=30, seed=7, ignore_eos=True)
+    params[2] = SamplingParams(max_tokens=9, top_logprobs=3, **GREEDY)
+    rows += session.add(prompts, params)
+    store = session.kv if isinstance(session.kv, SlotKV) else None
+    grown = store.cache.slots if store is not None and store.cache is not None else None
+    for _ in range(12):
+        session.step()
+    # The first joiners have finished: a short prompt takes a slot a longer row left.
+    rows += session.add([short], SamplingParams(max_tokens=20, **GREEDY))
+    while session:
+        session.step()
+    if store is not None:
+        assert grown is not None and grown > MIN_SLOTS
+        assert store.cache is not None and store.cache.width > MIN_WIDTH
+    return rows, store
+
+
+def _same(slot_rows, padded_rows, atol: float) -> None:
+    for s, p in zip(slot_rows, padded_rows, strict=True):
+        assert s.tokens == p.tokens
+        np.testing.assert_allclose(s.logprobs, p.logprobs, atol=atol)
+        assert [[i for i, _ in t] for t in s.top] == [[i for i, _ in t] for t in p.top]
+        if p.experts:
+            agree = (np.sort(np.stack(s.experts), -1) == np.sort(np.stack(p.experts), -1)).all(-1).mean()
+            assert agree >= 0.99, agree
+
+
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_slots_decode_what_the_padded_cache_decodes(model):
+    loaded = load_model(MODELS / model, "fp32")
+    slot_rows, store = _scenario(RolloutEngine(loaded, kv="slots"))
+    padded_rows, _ = _scenario(RolloutEngine(loaded, kv="padded"))
+    _same(slot_rows, padded_rows, atol=3e-5)
+    assert store is not None and store.captures == 0  # eager on the CPU
+    # The joiners of slots 1, 3, 4 and 5 were done; the short prompt took the lowest free slot.
+    assert slot_rows[-1].slot == 1 and slot_rows[2].finish is not None
+
+
+def test_a_row_decodes_alone_what_it_decodes_in_a_slot_another_row_left():
+    """A short prompt in a slot whose columns past it hold a longer row's keys: they stay masked."""
+    engine = RolloutEngine(load_model(MODELS / "tiny-dense", "fp32"), kv="slots")
+    session = engine.session()
+    (first,) = session.add([_prompt(engine, "Write a long story about a lighthouse keeper.")],
+                           SamplingParams(max_tokens=40, **GREEDY))
+    (keeper,) = session.add([_prompt(engine, "Count to ten.")], SamplingParams(max_tokens=60, **GREEDY))
+    while first.finish is None:
+        session.step()
+    params = SamplingParams(max_tokens=15, **GREEDY)
+    (late,) = session.add([_prompt(engine, "hi")], params)
+    assert late.slot == first.slot and first.cached > len(late.prompt) + 15
+    while session:
+        session.step()
+    alone = RolloutEngine(engine.loaded, kv="padded").generate([late.prompt.tolist()], params)[0]
+    assert late.tokens == alone.token_ids_T.tolist()
+    np.testing.assert_allclose(late.logprobs, alone.logprobs_T, atol=1e-5)
+    assert keeper.finish == "length"
+
+
+def test_engine_settings_are_checked():
+    loaded = load_model(MODELS / "tiny-dense", "fp32")
+    assert RolloutEngine(loaded).kv == "slots" and not RolloutEngine(loaded).graphs
+    with pytest.raises(ValueError, match="kv must be"):
+        RolloutEngine(loaded, kv="paged")
+    with pytest.raises(ValueError, match="CUDA"):
+        RolloutEngine(loaded, graphs=True)
+    sliding = load_model(MODELS / "tiny-dense", "fp32")
+    sliding.model.config.layer_types = ["sliding_attention"] + ["full_attention"] * 3
+    with pytest.raises(ValueError, match="sliding_attention"):
+        RolloutEngine(sliding, kv="slots")
+    assert RolloutEngine(sliding).kv == "padded"
+
+
+@needs_cuda
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_graphed_slots_decode_what_the_padded_cache_decodes_on_cuda(model):
+    loaded = load_model(MODELS / model, "fp32", "cuda")
+    graphed = RolloutEngine(loaded)
+    assert graphed.graphs == (model == "tiny-dense")  # MoE routers: eager slot steps
+    slot_rows, store = _scenario(graphed)
+    padded_rows, _ = _scenario(RolloutEngine(loaded, kv="padded"))
+    _same(slot_rows, padded_rows, atol=1e-4)
+    assert store is not None and store.graphs_error is None
+    assert (store.captures > 0) == graphed.graphs
+
+
+@needs_cuda
+def test_a_later_session_replays_the_graphs_and_drops_them_for_new_weights():
+    loaded = load_model(MODELS / "tiny-dense", "fp32", "cuda")
+    engine = RolloutEngine(loaded)
+    prompts = [_prompt(engine, "Tell me about the sea."), _prompt(engine, "hi")]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    first = engine.generate(prompts, params)
+    (store,) = engine._idle_slots
+    captured = store.captures
+    again = engine.generate(prompts, params)
+    assert engine._idle_slots == [store] and store.captures == captured  # replayed, none captured
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a.token_ids_T, b.token_ids_T)
+    # A parameter replaced (not updated in place): the graphs would read the old one.
+    head = loaded.model.lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach() * 1.5 + 0.01)
+    changed = engine.generate(prompts, params)
+    reference = RolloutEngine(replace(loaded), kv="padded").generate(prompts, params)
+    for c, r in zip(changed, reference):
+        np.testing.assert_array_equal(c.token_ids_T, r.token_ids_T)
+        np.testing.assert_allclose(c.logprobs_T, r.logprobs_T, atol=1e-4)
+    assert store.captures > captured
+
+
+@pytest.mark.parametrize("kv", ["slots", "padded"])
+def test_a_session_that_ran_dry_takes_new_rows(kv):
+    """The server's batcher keeps one session for its life: rows that join after every earlier
+    row left start on a clean cache (the slot store goes back to the engine and comes again)."""
+    engine = RolloutEngine(load_model(MODELS / "tiny-dense", "fp32"), kv=kv)
+    session = engine.session()
+    session.add([_prompt(engine, "Write a long story about a lighthouse keeper.")],
+                SamplingParams(max_tokens=30, **GREEDY))
+    while session:
+        session.step()
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    (late,) = session.add([_prompt(engine, "hi")], params)
+    while session:
+        session.step()
+    alone = RolloutEngine(engine.loaded, kv="padded").generate([late.prompt.tolist()], params)[0]
+    assert late.tokens == alone.token_ids_T.tolist()
+    np.testing.assert_allclose(late.logprobs, alone.logprobs_T, atol=1e-5)

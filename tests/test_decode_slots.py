@@ -113,6 +113,41 @@ def test_engine_settings_are_checked():
     assert RolloutEngine(sliding).kv == "padded"
 
 
+SHARDED = """
+import os, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from rollmarket.engines import RolloutEngine
+from rollmarket.engines.loading import load_model
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+dist.init_process_group("gloo", rank=0, world_size=1)
+loaded = load_model(os.environ["MODEL"], "fp32")
+for layer in loaded.model.model.layers:
+    fully_shard(layer)
+print("default graphs:", RolloutEngine(loaded).graphs)
+try:
+    RolloutEngine(loaded, graphs=True)
+except ValueError as exc:
+    print("refused:", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_an_fsdp_sharded_model_gets_no_graphs():
+    """The trainer's evaluation samples from its learner's model, which FSDP2 may have sharded: its
+    hooks gather weights anew each forward, which a graph would not redo."""
+    import os
+    import subprocess
+    import sys
+
+    from rollmarket.localhost import free_port
+
+    done = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PORT": str(free_port()), "MODEL": str(MODELS / "tiny-dense")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "default graphs: False" in done.stdout
+    assert "refused: no CUDA graphs: the model is FSDP-sharded" in done.stdout
+
+
 @needs_cuda
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
 def test_graphed_slots_decode_what_the_padded_cache_decodes_on_cuda(model):

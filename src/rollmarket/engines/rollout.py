@@ -90,7 +90,7 @@ class RolloutEngine:
         """``kv``: the decode's KV cache, ``slots`` (fixed slots: fixed step shapes), ``padded``
         (transformers' DynamicCache, left-padded) or ``auto`` (slots where the model allows them).
         ``graphs``: replay slot decode steps as CUDA graphs; None = on CUDA for models without MoE
-        routers (see ``slots``)."""
+        routers that are not FSDP-sharded (see ``slots``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -108,8 +108,11 @@ class RolloutEngine:
             raise ValueError(f"this model cannot decode over KV slots: {why_not}")
         self.kv = "padded" if kv == "padded" or why_not else "slots"
         """The decode's KV cache: ``slots`` or ``padded``."""
+        no_graphs = SlotKV.ungraphable(self.model)
+        if graphs and no_graphs:
+            raise ValueError(f"no CUDA graphs: {no_graphs}")
         if graphs is None:
-            graphs = loaded.device.type == "cuda" and not self.info.is_moe
+            graphs = loaded.device.type == "cuda" and not self.info.is_moe and no_graphs is None
         if graphs and loaded.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.graphs = graphs and self.kv == "slots"

@@ -156,6 +156,17 @@ class SlotKV:
             return "the model's config names no layer or head counts"
         return None
 
+    @staticmethod
+    def ungraphable(model: Any) -> str | None:
+        """Why this model's decode steps cannot be CUDA graphs, or None. FSDP2's hooks gather each
+        layer's weights into fresh memory with collectives: a graph would replay the gather of its
+        capture, not read the current weights."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in model.modules()):
+            return "the model is FSDP-sharded (its weights are gathered anew for every forward)"
+        return None
+
     def _ensure(self, slots: int, width: int) -> SlotCache:
         if self.cache is None:
             layers, kv_heads, head_dim = self._config

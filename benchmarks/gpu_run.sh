@@ -46,6 +46,7 @@ BENCHMARKS=(
   "learner_ranks|200|benchmarks/learner_ranks.py --device cuda --ranks 2"
   "serve_throughput|330|benchmarks/serve_throughput.py --device cuda --repeats 3"
   "serve_throughput-clients|330|benchmarks/serve_throughput.py --device cuda --repeats 3 --clients 4"
+  "serve_sustained|360|benchmarks/serve_sustained.py --device cuda"
   "serve_throughput-long|200|benchmarks/serve_throughput.py --device cuda --repeats 3 --model models/tiny-dense --shape none --max-tokens 256"
   "sampler_cpu|40|benchmarks/sampler_cpu.py --device cuda"
   "serve_profile|150|benchmarks/serve_profile.py --device cuda"

@@ -273,8 +273,8 @@ def per_row_draw():
                 token = int(torch.multinomial(processed_V.exp(), 1, generator=gen))
                 report_V = processed_V if p.logprobs_mode == "processed" else raw_V
             row = [token, float(report_V[token])]
-            if rows.max_top:
-                values, ids = torch.topk(report_V, min(rows.max_top, report_V.shape[-1]))
+            if rows.flags.max_top:
+                values, ids = torch.topk(report_V, min(rows.flags.max_top, report_V.shape[-1]))
                 row += ids.tolist() + values.tolist()
             packed.append(row)
         return Drawn(packed, rows)
@@ -309,9 +309,6 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
     import torch
 
     from rollmarket.engines import RolloutEngine, SamplingParams
-    from rollmarket.engines.rollout import PaddedKV
-    from rollmarket.engines.slots import SlotKV
-    from rollmarket.engines.sampling import RowBatch
 
     engine = RolloutEngine.from_path(model, args.precision, args.device)
     prompt = engine.encode_chat(MESSAGES)
@@ -322,6 +319,8 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
             torch.cuda.synchronize()
 
     for sampler in SAMPLERS:
+        # The per-row baseline replaces ``RowBatch.draw``: its draws stay out of the slot steps.
+        engine.fused_draw = sampler == "engine"
         with _with_sampler(sampler):
             for batch in args.batches:
                 params = [SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=s, ignore_eos=True)
@@ -348,44 +347,60 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                 console.print(f"  {sampler:<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
 
                 # The split: the same decode, each forward (the KV store's decode: the model's
-                # forward, or its CUDA graph's replay) and each draw timed between syncs.
-                spent = {"forward": 0.0, "sample": 0.0}
-                draw = RowBatch.draw
-                store = SlotKV if engine.kv == "slots" else PaddedKV
-                forward = store.decode
-
-                def timed(kind, fn):
-                    def run(*a, **k):
-                        sync()
-                        t = time.perf_counter()
-                        out = fn(*a, **k)
-                        sync()
-                        spent[kind] += time.perf_counter() - t
-                        return out
-                    return run
-
-                RowBatch.draw = timed("sample", draw)
-                store.decode = timed("forward", forward)
-                try:
-                    steps = min(args.split_steps, args.max_tokens)
-                    session = engine.session()
-                    session.add([prompt] * batch, [SamplingParams(max_tokens=steps, seed=s, ignore_eos=True)
-                                                   for s in range(batch)])
-                    for _ in range(steps):
-                        session.step()
-                finally:
-                    RowBatch.draw = draw
-                    store.decode = forward
-                step_ms = 1000 * (spent["forward"] + spent["sample"]) / steps
-                splits.append({"model": name, "sampler": sampler, "batch": batch, "steps": steps,
-                               "forward_ms": 1000 * spent["forward"] / max(steps - 1, 1),
-                               "sample_ms": 1000 * spent["sample"] / steps, "step_ms": step_ms,
-                               "sample_share": spent["sample"] / (spent["forward"] + spent["sample"])})
+                # forward, or its CUDA graph's replay) and each draw timed between syncs. The
+                # engine's own sampler is split with its draws outside the step, then timed as it
+                # runs (slot steps draw inside: "forward" is the whole step but the first draw).
+                for fused in ([False, True] if sampler == "engine" and engine.kv == "slots" else [False]):
+                    engine.fused_draw = fused
+                    splits.append(_split(engine, prompt, name, sampler, batch, args, sync))
+                engine.fused_draw = sampler == "engine"
     rows += bench_batcher(engine, prompt, name, args)
     engine = None  # the model's memory goes back before empty_cache (a nested function holds the name)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return rows, splits
+
+
+def _split(engine, prompt: list[int], name: str, sampler: str, batch: int, args, sync) -> dict:
+    """One decode's steps split into the KV store's decode and the draws, timed between syncs."""
+    from rollmarket.engines import SamplingParams
+    from rollmarket.engines.rollout import PaddedKV
+    from rollmarket.engines.sampling import RowBatch
+    from rollmarket.engines.slots import SlotKV
+
+    spent = {"forward": 0.0, "sample": 0.0}
+    draw = RowBatch.draw
+    store = SlotKV if engine.kv == "slots" else PaddedKV
+    forward = store.decode
+
+    def timed(kind, fn):
+        def run(*a, **k):
+            sync()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            sync()
+            spent[kind] += time.perf_counter() - t
+            return out
+        return run
+
+    RowBatch.draw = timed("sample", draw)
+    store.decode = timed("forward", forward)
+    try:
+        steps = min(args.split_steps, args.max_tokens)
+        session = engine.session()
+        session.add([prompt] * batch, [SamplingParams(max_tokens=steps, seed=s, ignore_eos=True)
+                                       for s in range(batch)])
+        for _ in range(steps):
+            session.step()
+    finally:
+        RowBatch.draw = draw
+        store.decode = forward
+    step_ms = 1000 * (spent["forward"] + spent["sample"]) / steps
+    return {"model": name, "sampler": sampler, "batch": batch, "steps": steps,
+            "draw": "in the step" if engine.fused_draw and engine.kv == "slots" else "next step",
+            "forward_ms": 1000 * spent["forward"] / max(steps - 1, 1),
+            "sample_ms": 1000 * spent["sample"] / steps, "step_ms": step_ms,
+            "sample_share": spent["sample"] / (spent["forward"] + spent["sample"])}
 
 
 def bench_batcher(engine, prompt: list[int], name: str, args) -> list[dict]:
@@ -508,14 +523,15 @@ def main() -> None:
     console.print(table)
     if splits:
         split_table = Table(title="one decode step: model forward and sampling (ms, synchronised)")
-        for column in ("model", "sampler", "batch", "forward ms", "sampling ms", "sampling share", "step vs per-row"):
+        for column in ("model", "sampler", "draw", "batch", "forward ms", "sampling ms", "sampling share",
+                       "step ms", "step vs per-row"):
             split_table.add_column(column, justify="right")
         for row in splits:
             base = next(r for r in splits if (r["model"], r["batch"], r["sampler"]) ==
                         (row["model"], row["batch"], "engine-per-row"))
             row["step_speedup_vs_per_row"] = base["step_ms"] / row["step_ms"]
-            split_table.add_row(row["model"], row["sampler"], str(row["batch"]), f"{row['forward_ms']:.2f}",
-                                f"{row['sample_ms']:.2f}", f"{row['sample_share']:.0%}",
+            split_table.add_row(row["model"], row["sampler"], row["draw"], str(row["batch"]), f"{row['forward_ms']:.2f}",
+                                f"{row['sample_ms']:.2f}", f"{row['sample_share']:.0%}", f"{row['step_ms']:.2f}",
                                 f"{row['step_speedup_vs_per_row']:.2f}x")
         console.print(split_table)
 

@@ -341,16 +341,20 @@ def _():
     speed = table(["model", "HTTP b1 tok/s", "engine b1 tok/s", "HTTP b32 tok/s", "engine b32 tok/s",
                    "HTTP / engine (b32)", "per-row sampler b32 tok/s", "batched / per-row (b32)"],
                   list("lrrrrrrr"), out)
-    split = {(r["model"], r["sampler"], r["batch"]): r for r in result["split"]}
+    # Runs before the draw moved into the slot step have one split per sampler, drawn the next step.
+    split = {(r["model"], r["sampler"], r["batch"], r.get("draw", "next step")): r for r in result["split"]}
     out = []
     for model in models:
         for batch in result["meta"]["batches"]:
-            before, after = split[(model, "engine-per-row", batch)], split[(model, "engine", batch)]
+            before, after = split[(model, "engine-per-row", batch, "next step")], split[(model, "engine", batch, "next step")]
+            inside = split.get((model, "engine", batch, "in the step"))
             out.append([SERVE_MODELS[model], str(batch), n(before["forward_ms"], 2), n(before["sample_ms"], 2),
                         n(after["sample_ms"], 2), f"{pct(before['sample_share'])} → {pct(after['sample_share'])}",
-                        times(before["step_ms"] / after["step_ms"])])
+                        times(before["step_ms"] / after["step_ms"]), n(after["step_ms"], 2),
+                        n(inside["step_ms"], 2) if inside else "-"])
     steps = table(["model", "batch", "forward ms", "sampling ms, per-row", "sampling ms, batched",
-                   "sampling share of a step", "step speed-up"], list("lrrrrrr"), out)
+                   "sampling share of a step", "step speed-up", "step ms, drawn after it",
+                   "step ms, drawn inside it"], list("lrrrrrrrr"), out)
     ratios = {SERVE_MODELS[m]: rows[(m, "http", 32)]["tokens_per_s"] / rows[(m, "engine", 32)]["tokens_per_s"]
               for m in models}
     goal = ("HTTP at batch 32 against the engine alone (issue 18's goal: ≥ 0.8×): "
@@ -370,12 +374,14 @@ SERVE_CUDA_RUNS = (
     ("benchmarks/results/serve_throughput-clients-cuda-1.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-cuda-h200-slots3.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-clients-cuda.json", "slots + graphs"),
-    (SERVE_CUDA, "slots + graphs, gc frozen"),
+    ("benchmarks/results/serve_throughput-cuda-h200-gc.json", "slots + graphs, gc frozen"),
+    (SERVE_CUDA, "the same, draw inside the step"),
 )
 """Every committed GPU run of the same benchmark since its warm-ups settled, oldest first, with the
 decode's KV cache it ran (``padded``: the DynamicCache before engines/slots.py; tiny-moe, an MoE
 model, always decodes eagerly; ``gc frozen``: serve-model freezes its start-up objects out of the
-garbage collector's full passes)."""
+garbage collector's full passes; ``draw inside the step``: a slot step samples each row's next
+token inside its graph, and a busy batch takes joiners in groups)."""
 
 
 @block("serve-runs")
@@ -410,6 +416,7 @@ def _():
 
 DECODE_PROFILE = "benchmarks/results/decode_profile-cuda.json"
 DECODE_PROFILE_SDPA = "benchmarks/results/decode_profile-sdpa-cuda.json"
+DECODE_PROFILE_BEFORE = "benchmarks/results/decode_profile-cuda-draw-after.json"
 KV_LABELS = {"padded": "padded DynamicCache", "slots": "slots, eager", "graphs": "slots, CUDA graphs"}
 
 
@@ -446,7 +453,61 @@ def _():
         out += ("\n\nThe padded cache with each masked attention kernel pinned in turn (before the slots): "
                 + provenance(DECODE_PROFILE_SDPA, sdpa) + "\n\n"
                 + table([h.format("attention") for h in heads], list("llrrrrrr"), rows))
+    if (ROOT / DECODE_PROFILE_BEFORE).exists():
+        before = load(DECODE_PROFILE_BEFORE)
+        was = {(r["model"], r["batch"]): r for r in before["rows"] if r.get("kv") == "graphs" and "error" not in r}
+        pairs = [[SERVE_MODELS.get(r["model"], r["model"]), str(r["batch"]),
+                  n(was[(r["model"], r["batch"])]["wall_ms_again"], 2), n(r["wall_ms_again"], 2),
+                  bold(times(was[(r["model"], r["batch"])]["wall_ms_again"] / r["wall_ms_again"]))]
+                 for r in data["rows"] if r.get("kv") == "graphs" and (r["model"], r["batch"]) in was and "error" not in r]
+        out += ("\n\nThe graphed step before the draw moved inside it (the sampler's kernels ran eagerly after "
+                "each replay): " + provenance(DECODE_PROFILE_BEFORE, before) + "\n\n"
+                + table(["model", "batch", "step ms, draw after the graph", "step ms, draw inside it", "**speed-up**"],
+                        list("lrrrr"), pairs))
     return out + ("\n\nNot measured: " + "; ".join(failed) + "." if failed else "")
+
+
+SERVE_SUSTAINED = "benchmarks/results/serve_sustained-cuda.json"
+SERVE_SUSTAINED_ROOM = "benchmarks/results/serve_sustained-room-cuda.json"
+
+
+def _sustained_rows(result: dict) -> tuple[list[list[str]], dict[str, float]]:
+    rows, ratios = [], {}
+    by = {(r["model"], r["path"]): r for r in result["results"]}
+    for model, label in SERVE_MODELS.items():
+        if (model, "http") not in by:
+            continue
+        http, engine = by[(model, "http")], by[(model, "engine")]
+        ratios[label] = http["tokens_per_s"] / engine["tokens_per_s"]
+        rows.append([label, n(engine["tokens_per_s"]), n(engine["mean_batch"], 1), n(engine["prefills"]),
+                     n(http["tokens_per_s"]), ", ".join(n(x) for x in http["tokens_per_s_runs"]),
+                     n(http["mean_batch"], 1), n(http["prefills"]), n(http["server_step_ms"], 2),
+                     n(http["client_cpu_ms_per_request"], 2), bold(times(ratios[label]), True)])
+    return rows, ratios
+
+
+@block("serve-sustained")
+def _():
+    if not (ROOT / SERVE_SUSTAINED).exists():
+        return f"Not measured yet: `{SERVE_SUSTAINED}` is absent (`bash benchmarks/gpu_run.sh serve_sustained`)."
+    result = load(SERVE_SUSTAINED)
+    meta = result["meta"]
+    heads = ["model", "engine tok/s", "engine mean batch", "engine prefills", "HTTP tok/s", "HTTP runs tok/s",
+             "HTTP mean batch", "HTTP prefills", "server step ms", "client CPU ms a request", "**HTTP / engine**"]
+    rows, ratios = _sustained_rows(result)
+    out = (provenance(SERVE_SUSTAINED, meta) + f" {meta['requests']} requests of {meta['max_tokens'] // 2}–"
+           f"{3 * meta['max_tokens'] // 2} tokens, {meta['concurrency']} in flight, over {meta['clients']} client "
+           "processes; the median of " + str(len(result["results"][0]["tokens_per_s_runs"])) + " runs.\n\n"
+           + table(heads, list("lrrrrrrrrrr"), rows)
+           + "\n\nUnder sustained load, HTTP against the engine alone (issue 18's goal: ≥ 0.8×): "
+           + "; ".join(f"{label} {times(r)} {'met' if r >= 0.8 else '**missed**'}" for label, r in ratios.items()) + ".")
+    if (ROOT / SERVE_SUSTAINED_ROOM).exists():
+        room = load(SERVE_SUSTAINED_ROOM)
+        rows, _ = _sustained_rows(room)
+        out += ("\n\nThe first run, whose rule let waiting requests join whenever they filled the batch's free "
+                "room (a full batch frees a slot or two a step, so nearly every step was a prefill): "
+                + provenance(SERVE_SUSTAINED_ROOM, room["meta"]) + "\n\n" + table(heads, list("lrrrrrrrrrr"), rows))
+    return out
 
 
 SAMPLER = "benchmarks/results/sampler_cpu.json"

@@ -202,3 +202,62 @@ def test_a_session_that_ran_dry_takes_new_rows(kv):
     alone = RolloutEngine(engine.loaded, kv="padded").generate([late.prompt.tolist()], params)[0]
     assert late.tokens == alone.token_ids_T.tolist()
     np.testing.assert_allclose(late.logprobs, alone.logprobs_T, atol=1e-5)
+
+
+MIXED = [
+    SamplingParams(temperature=0.7, top_k=5, top_logprobs=3),
+    SamplingParams(temperature=0),
+    SamplingParams(top_p=0.6, top_logprobs=4),
+    SamplingParams(temperature=1.3, top_k=9, top_p=0.85, logprobs_mode="raw", top_logprobs=2),
+    SamplingParams(),
+    SamplingParams(temperature=0.5, top_p=0.3, logprobs_mode="raw"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_a_slot_step_draws_what_the_next_step_would_draw(monkeypatch, device):
+    """A slot step draws its rows' next tokens itself (on CUDA inside its graph). With every
+    sampling setting in one batch, rows ending at different steps (the first slots go empty
+    first: holes that sample as the first row), a row joining the step before another ends and a
+    row cancelled beside it, the tokens, logprobs and
+    alternatives equal those drawn outside the step, and only a prefill's rows draw outside it.
+    On CUDA both runs replay graphs: the draw is captured with the forward."""
+    from rollmarket.engines.sampling import RowBatch
+
+    loaded = load_model(MODELS / "tiny-dense", "fp32", device)
+    params = [replace(p, seed=3, max_tokens=10 + 6 * i, ignore_eos=True) for i, p in enumerate(MIXED)]
+    late = SamplingParams(temperature=0.9, top_k=40, seed=4, max_tokens=12, ignore_eos=True, top_logprobs=1)
+    draws = []
+    original = RowBatch.draw
+    monkeypatch.setattr(RowBatch, "draw", lambda self, *a: draws.append(len(self.params)) or original(self, *a))
+
+    def run(fused: bool) -> list:
+        engine = RolloutEngine(loaded, kv="slots")
+        assert engine.graphs == (device == "cuda")
+        engine.fused_draw = fused
+        session = engine.session()
+        prompts = [_prompt(engine, f"Tell me fact number {i} about the sea.") for i in range(len(params))]
+        rows = session.add(prompts, params)
+        for _ in range(15):
+            session.step()
+        # A row joins the step before row 1 ends, and row 3 is cancelled between the two.
+        rows += session.add([_prompt(engine, "hi")], late)
+        session.remove([rows[3]])
+        while session:
+            session.step()
+        store = engine._idle_slots[0] if engine.graphs else None
+        assert store is None or (store.captures > 0 and store.graphs_error is None)
+        return rows
+
+    fused = run(True)
+    assert draws == [len(params), 1]  # after each prefill, for its rows alone
+    draws.clear()
+    outside = run(False)
+    assert len(draws) == max(p.max_tokens for p in params)  # every step draws
+    assert len(fused[3].tokens) == 15
+    for a, b in zip(fused, outside, strict=True):
+        assert a.tokens == b.tokens and len(a.tokens) == (15 if a is fused[3] else a.params.max_tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+        assert [[i for i, _ in t] for t in a.top] == [[i for i, _ in t] for t in b.top]
+    # The sampled rows did sample (a greedy decode would repeat itself far more).
+    assert len({tuple(r.tokens) for r in fused}) == len(fused)

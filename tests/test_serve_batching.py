@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollmarket.engines import RolloutEngine, SamplingParams
-from rollmarket.serve.batcher import DONE, Batcher
+from rollmarket.serve.batcher import DONE, GROUP_STEPS, Batcher, join_now
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,6 +169,55 @@ def test_a_burst_arriving_over_longer_than_the_window_is_prefilled_once(engine):
     finally:
         batcher.stop()
     assert batcher.batches == 2 and batcher.largest_batch == 8 and batcher.sequences == 9
+
+
+@pytest.mark.parametrize("waiting, running, waited, joins", [
+    (1, 3, 0, True),    # a batch under half of 32 takes anyone at once
+    (3, 20, 0, False),  # a busy one waits for a group of 32 // 8 = 4 ...
+    (4, 20, 0, True),
+    (2, 30, 0, False),  # a nearly full one too: as many as fit join then
+    (5, 30, 0, True),
+    (1, 20, GROUP_STEPS - 1, False),
+    (1, 20, GROUP_STEPS, True),  # ... or until the first has waited GROUP_STEPS steps
+    (0, 20, 99, False),
+    (3, 32, 99, False),  # no room
+])
+def test_a_busy_batch_takes_joiners_in_groups(waiting, running, waited, joins):
+    assert join_now(waiting, 32 - running, running, 32, waited) is joins
+
+
+def test_requests_arriving_beside_a_busy_batch_join_it_in_one_prefill(engine):
+    """Twenty rows decode (more than half of 32); three requests sent one by one beside them
+    wait (fewer than a group of four) and join together after GROUP_STEPS steps: two prefills in
+    all, and the three finish with their whole length."""
+    prompt = _prompt(engine, "hi")
+    batcher = Batcher(engine, max_seqs=32, window_s=0.5)
+    batcher.start()
+
+    async def drain(pending) -> int:
+        tokens = 0
+        while (item := await pending.events.get()) is not DONE:
+            assert not isinstance(item, Exception), item
+            tokens += len(item)
+        return tokens
+
+    async def run() -> list[int]:
+        busy = [batcher.submit(prompt, SamplingParams(max_tokens=40, seed=s, ignore_eos=True), 1)
+                for s in range(20)]
+        await busy[0].events.get()  # the twenty are decoding
+        late = []
+        for s in range(3):
+            late.append(batcher.submit(prompt, SamplingParams(max_tokens=5, seed=s, ignore_eos=True), 1,
+                                       stream=False))
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(*(drain(p) for p in late + busy[1:]))
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        batcher.stop()
+    assert tokens[:3] == [5, 5, 5]
+    assert batcher.batches == 2 and batcher.largest_batch == 23
 
 
 def test_the_decode_thread_can_write_its_profile(engine, tmp_path):

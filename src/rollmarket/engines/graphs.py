@@ -28,28 +28,30 @@ class GraphUnavailable(RuntimeError):
 class BodyGraphs:
     """An LRU cache of captured forwards keyed by their inputs' shapes.
 
-    ``forward(*inputs) -> output`` is the trainer's body (``ids_BS -> hidden_BSH``, inside its
-    ``BodyPatch``) or the rollout engine's decode step over KV slots (``slots.SlotKV.forward``);
-    the inputs are copied into the captured buffers before each replay;
+    ``forward(*inputs, *options) -> output`` is the trainer's body (``ids_BS -> hidden_BSH``, inside
+    its ``BodyPatch``) or the rollout engine's decode step over KV slots (``slots.SlotKV.forward``);
+    the inputs are copied into the captured buffers before each replay; ``options`` (hashable
+    host values, such as which sampling passes a step runs) are baked into the capture and keyed
+    beside the shapes;
     capturing runs it twice first on a side stream (compilation, cuDNN plans, autotuning happen
     there, not in the graph). ``shapes`` bounds how many graphs are kept: a new shape past it
     drops the least recently used one.
     """
 
-    def __init__(self, forward: Callable[..., torch.Tensor], *, shapes: int = 8):
+    def __init__(self, forward: Callable[..., Any], *, shapes: int = 8):
         self.forward = forward
         self.shapes = shapes
-        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], torch.Tensor]] = OrderedDict()
+        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...], Any]] = OrderedDict()
         self._pool: Any = None
         """The memory pool the first graph made, shared by the others (``torch.cuda.graph_pool_handle``)."""
         self.captures = 0
         """How many graphs were captured (a shape seen again replays its graph)."""
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        key = tuple(tuple(t.shape) for t in inputs)
+    def __call__(self, *inputs: torch.Tensor, options: tuple = ()) -> Any:
+        key = (tuple(tuple(t.shape) for t in inputs), options)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(inputs)
+            entry = self._capture(inputs, options)
             self._graphs[key] = entry
             while len(self._graphs) > self.shapes:
                 self._graphs.popitem(last=False)
@@ -61,20 +63,20 @@ class BodyGraphs:
         graph.replay()
         return output
 
-    def _capture(self, inputs: tuple[torch.Tensor, ...]):
+    def _capture(self, inputs: tuple[torch.Tensor, ...], options: tuple):
         static = tuple(t.clone() for t in inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.forward(*static)
+                self.forward(*static, *options)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: another thread of the process (a rollout engine's decode thread) may use
             # the GPU while this one captures; "global" would turn its calls into capture errors.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                output = self.forward(*static)
+                output = self.forward(*static, *options)
         except RuntimeError as exc:  # something in the forward syncs with the host or allocates pinned memory
             raise GraphUnavailable(f"the forward could not be captured as a CUDA graph: {exc}") from exc
         self._pool = graph.pool()

@@ -25,7 +25,7 @@ from .loading import LoadedModel, load_model
 from .precision import Precision
 from .routing import RouterCapture
 from .teacher import TrainerEngine
-from .sampling import RowBatch, SamplingParams, sequence_key
+from .sampling import Drawn, RowBatch, SamplingParams, sequence_key
 from .slots import SlotKV
 
 
@@ -117,6 +117,9 @@ class RolloutEngine:
             raise ValueError("CUDA graphs need a CUDA device")
         self.graphs = graphs and self.kv == "slots"
         """Whether slot decode steps are replayed as CUDA graphs."""
+        self.fused_draw = True
+        """Slot steps draw each row's next token inside the step (the graph), from the logits it
+        makes; off, the next step draws it (as the padded cache always does): a benchmark's knob."""
         self._idle_slots: list[SlotKV] = []
         """Slot stores of finished sessions, kept with their graphs for the next session (graphed
         engines only: capturing costs a few forwards per shape, every ``generate`` would pay it)."""
@@ -125,7 +128,7 @@ class RolloutEngine:
         """An empty slot store for a session: one a finished session gave back, or a new one."""
         if self._idle_slots:
             return self._idle_slots.pop().reuse()
-        return SlotKV(self.model, self.pad_id, graphs=self.graphs)
+        return SlotKV(self.model, self.pad_id, graphs=self.graphs, cache_arg=self._cache_arg)
 
     def give_back(self, store: SlotKV) -> None:
         """A session's store, empty again: kept for the next session when it holds graphs."""
@@ -234,6 +237,10 @@ class DecodeSession:
         self._logits_BV: torch.Tensor | None = None
         self._experts_BLK: torch.Tensor | None = None
         self._sampler: RowBatch | None = None
+        self._drawn: list[list[float]] | None = None
+        """The next draw (``RowBatch.packed`` rows, in row order) of the rows the last slot step
+        ran, made inside it; rows that joined since (after them) draw in ``step``. None: every
+        row draws in ``step`` (a padded cache, or draws kept outside the step)."""
         self._eos = set(engine.info.eos_token_ids)
         self._capture = RouterCapture(engine.model, engine.info.top_k or 1)
 
@@ -292,7 +299,7 @@ class DecodeSession:
             self._logits_BV, self._experts_BLK = logits_BV, experts_BLK
         self.rows += new
         self._count += n
-        self._sampler = None
+        self._sampler = None  # the joiners' first tokens come from their prefill's logits (``step``)
         return new
 
     def remove(self, rows: list[_Row]) -> None:
@@ -305,17 +312,20 @@ class DecodeSession:
             return
         assert self.kv is not None and self._logits_BV is not None  # rows were running
         kept = set(keep)
-        self.kv.leave([r for b, r in enumerate(self.rows) if b not in kept])
+        gone = [r for b, r in enumerate(self.rows) if b not in kept]
         self.rows = [self.rows[b] for b in keep]
+        self.kv.keep(keep, self.rows, gone)
         self._sampler = None
+        if self._drawn is not None:
+            # Still a prefix of the rows (keep is ascending): the rows that joined since come after.
+            self._drawn = [self._drawn[b] for b in keep if b < len(self._drawn)]
         if not keep:
-            self._logits_BV = self._experts_BLK = None
+            self._logits_BV = self._experts_BLK = self._drawn = None
             if isinstance(self.kv, SlotKV):
                 # Handed back, graphs and all, for the engine's next session (or this one's next add).
                 self.engine.give_back(self.kv)
             self.kv = None
             return
-        self.kv.keep(keep, self.rows)
         self._logits_BV = self._logits_BV[torch.tensor(keep, device=self._logits_BV.device)]
         if self._experts_BLK is not None:
             self._experts_BLK = self._experts_BLK[torch.tensor(keep)]
@@ -328,10 +338,22 @@ class DecodeSession:
         if not self.rows:
             return []
         assert self._logits_BV is not None  # set by add() with the rows
-        if self._sampler is None:
-            self._sampler = RowBatch.from_params([r.params for r in self.rows], [r.key for r in self.rows],
-                                                 self._logits_BV.shape[-1], self._logits_BV.device)
-        drawn = self._sampler.draw(self._logits_BV, [len(r.tokens) for r in self.rows])
+        sampler = self._rows_sampler()
+        ready = self._drawn or []
+        drawn_before = len(ready)
+        if drawn_before == len(self.rows):
+            drawn = Drawn(ready, sampler)
+        elif drawn_before:
+            # Rows joined since the last slot step drew the others: only the joiners draw here, from
+            # their prefill's logits (the last rows), each row with its own settings and uniform.
+            joiners = self.rows[drawn_before:]
+            tail = RowBatch.from_params([r.params for r in joiners], [r.key for r in joiners],
+                                        self._logits_BV.shape[-1], self._logits_BV.device)
+            drawn = Drawn(ready + tail.draw(self._logits_BV[drawn_before:], [len(r.tokens) for r in joiners]).packed,
+                          sampler)
+        else:
+            drawn = sampler.draw(self._logits_BV, [len(r.tokens) for r in self.rows])
+        self._drawn = None  # used: the decode below draws the next ones
         events: list[StepEvent] = []
         keep: list[int] = []
         for b, r in enumerate(self.rows):
@@ -352,13 +374,23 @@ class DecodeSession:
         self._keep(keep)
         if self.rows:
             assert self.kv is not None  # rows are running
-            logits_BV, experts_BLK = self.kv.decode(self.rows, self._capture)
+            inside = self._rows_sampler() if isinstance(self.kv, SlotKV) and self.engine.fused_draw else None
+            logits_BV, experts_BLK, self._drawn = self.kv.decode(self.rows, self._capture, inside)
             self._logits_BV = logits_BV
             if experts_BLK is not None:
                 self._experts_BLK = experts_BLK
             for r in self.rows:
                 r.cached += 1
         return events
+
+
+    def _rows_sampler(self) -> RowBatch:
+        """The running rows' sampling settings (built again whenever rows join or leave)."""
+        if self._sampler is None:
+            assert self._logits_BV is not None  # rows are running
+            self._sampler = RowBatch.from_params([r.params for r in self.rows], [r.key for r in self.rows],
+                                                 self._logits_BV.shape[-1], self._logits_BV.device)
+        return self._sampler
 
 
 class PaddedKV:
@@ -393,12 +425,12 @@ class PaddedKV:
             mine.values = torch.cat([left_pad(mine.values, 2), left_pad(theirs.values, 2)], 0)
         self._mask_BS = torch.cat([left_pad(self._mask_BS, 1), left_pad(mask_BS, 1)], 0)
 
-    def leave(self, rows: list[_Row]) -> None:
-        pass  # ``keep`` drops them
-
-    def keep(self, keep: list[int], rows: list[_Row]) -> None:
-        """Keep rows ``keep`` (indices into the batch before), now ``rows``."""
+    def keep(self, keep: list[int], rows: list[_Row], gone: list[_Row]) -> None:
+        """Keep rows ``keep`` (indices into the batch before), now ``rows``; ``gone`` left."""
         assert self._mask_BS is not None  # rows were running
+        if not keep:
+            self._cache = self._mask_BS = None
+            return
         index = torch.tensor(keep, device=self._mask_BS.device)
         # Columns left of the longest remaining row hold only padding now: trim them.
         lead = self._mask_BS.shape[1] - max(r.cached for r in rows)
@@ -407,7 +439,10 @@ class PaddedKV:
             layer.values = layer.values[index, :, lead:]
         self._mask_BS = self._mask_BS[index, lead:]
 
-    def decode(self, rows: list[_Row], capture: RouterCapture) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode(self, rows: list[_Row], capture: RouterCapture, sampler: RowBatch | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """The next logits (and experts) per row; draws stay with the next step (``sampler``
+        is not used: every step has new shapes, no graph to draw inside)."""
         assert self._mask_BS is not None  # rows are running
         if len(rows) == 0:
             raise ValueError("no rows to decode")
@@ -422,7 +457,7 @@ class PaddedKV:
                                use_cache=True, **{engine._cache_arg: self._cache})
             if capture.active:
                 experts_BLK = capture.take(len(rows), 1)[:, 0]
-        return out.logits[:, -1].float(), experts_BLK
+        return out.logits[:, -1].float(), experts_BLK, None
 
 
 def _cache_layers(cache) -> list:

@@ -166,28 +166,19 @@ def logsumexp(z_BV: torch.Tensor) -> torch.Tensor:
     return (max_B1 + block_cdf_BN[:, -1:].float().log())[:, 0]
 
 
+SETTINGS = ("temperature", "top_k", "top_p", "greedy", "processed", "top_logprobs")
+"""The columns of a row's sampling settings as numbers (``RowBatch.settings``): what a decode step
+that draws inside a CUDA graph takes as one input beside the token ids and uniforms."""
+
+
 @dataclass(frozen=True)
-class RowBatch:
-    """The sampling settings of the rows of one batch, as tensors on the logits' device.
+class RowFlags:
+    """What the rows of a batch use, decided on the host: which passes a draw runs. Hashable, so
+    a graph that draws inside it keys its capture on them (``slots.SlotKV``)."""
 
-    Built once per batch composition (``from_params``); ``draw`` then samples every row of a
-    decode step with a fixed number of kernels, whatever the mix of settings.
-    """
-
-    params: tuple[SamplingParams, ...]
-    keys: tuple[int, ...]
-    """Each row's sequence key (``sequence_key``), on the host: the uniforms are drawn there."""
-    temperature_B: torch.Tensor
-    """1 where the row is greedy, so the division is harmless; ``greedy_B`` picks argmax there."""
-    top_k_B: torch.Tensor
-    """The k of each row, vocab where top-k is off."""
     k_max: int
     """The largest k of the rows that use top-k (0: none does); decided on the host so the
     step needs no device sync."""
-    top_p_B: torch.Tensor
-    greedy_B: torch.Tensor
-    processed_B: torch.Tensor
-    """Report the processed distribution's logprobs (else the raw ones)."""
     any_top_p: bool
     any_temperature: bool
     """Some sampled row's temperature is not 1."""
@@ -198,38 +189,79 @@ class RowBatch:
     max_top: int
 
     @classmethod
+    def of(cls, settings_BC: np.ndarray, vocab: int) -> "RowFlags":
+        """The flags of rows given as ``RowBatch.settings``."""
+        temperature, top_k, top_p, greedy, processed, top = (settings_BC[:, i] for i in range(len(SETTINGS)))
+        greedy, processed = greedy > 0, processed > 0
+        return cls(k_max=int(max((k for k in top_k if k < vocab), default=0)), any_top_p=bool((top_p < 1).any()),
+                   any_temperature=bool((temperature != 1).any()), all_greedy=bool(greedy.all()),
+                   any_greedy=bool(greedy.any()), all_processed=bool(processed.all()),
+                   none_processed=not bool(processed.any()), max_top=int(top.max(initial=0)))
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """The sampling settings of the rows of one batch, as tensors on the logits' device.
+
+    Built once per batch composition (``from_params``); ``draw`` then samples every row of a
+    decode step with a fixed number of kernels, whatever the mix of settings. ``packed`` is the
+    same draw without the host: what a decode step replayed as a CUDA graph runs inside it.
+    """
+
+    params: tuple[SamplingParams, ...]
+    keys: tuple[int, ...]
+    """Each row's sequence key (``sequence_key``), on the host: the uniforms are drawn there."""
+    flags: RowFlags
+    temperature_B: torch.Tensor
+    """1 where the row is greedy, so the division is harmless; ``greedy_B`` picks argmax there."""
+    top_k_B: torch.Tensor
+    """The k of each row, vocab where top-k is off."""
+    top_p_B: torch.Tensor
+    greedy_B: torch.Tensor
+    processed_B: torch.Tensor
+    """Report the processed distribution's logprobs (else the raw ones)."""
+    settings_BC: np.ndarray | None = None
+    """The same settings on the host (``settings``); None in a batch built inside a graph."""
+
+    @staticmethod
+    def settings(params: Sequence[SamplingParams], vocab: int) -> np.ndarray:
+        """Each row's settings as the ``SETTINGS`` columns, float64 [B, 6] (exact for every value
+        they hold: float32-rounded on the device as a tensor of the Python floats would be)."""
+        rows = []
+        for p in params:
+            greedy = p.temperature == 0
+            rows.append((1.0 if greedy else p.temperature, p.top_k if 0 < p.top_k < vocab else vocab,
+                         p.top_p, greedy, p.logprobs_mode == "processed" and not greedy, p.top_logprobs))
+        return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(SETTINGS))
+
+    @classmethod
     def from_params(cls, params: Sequence[SamplingParams], keys: Sequence[int], vocab: int,
                     device: torch.device | str) -> "RowBatch":
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        greedy = [p.temperature == 0 for p in params]
-        processed = [p.logprobs_mode == "processed" and not g for p, g in zip(params, greedy)]
+        settings_BC = cls.settings(params, vocab)
+        on_device = torch.from_numpy(settings_BC).to(device, non_blocking=True)
+        return cls.from_settings(on_device, RowFlags.of(settings_BC, vocab), params, keys, settings_BC)
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(
-            params=tuple(params), keys=tuple(keys),
-            temperature_B=tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
-                                 torch.float32),
-            top_k_B=tensor(top_k, torch.int64), top_p_B=tensor([p.top_p for p in params], torch.float32),
-            greedy_B=tensor(greedy, torch.bool),
-            processed_B=tensor(processed, torch.bool),
-            k_max=max((k for k in top_k if k < vocab), default=0), any_top_p=any(p.top_p < 1 for p in params),
-            any_temperature=any(p.temperature not in (0, 1) for p in params),
-            all_greedy=all(greedy), any_greedy=any(greedy), all_processed=all(processed),
-            none_processed=not any(processed), max_top=max((p.top_logprobs for p in params), default=0))
+    @classmethod
+    def from_settings(cls, settings_BC: torch.Tensor, flags: RowFlags, params: Sequence[SamplingParams] = (),
+                      keys: Sequence[int] = (), host_BC: np.ndarray | None = None) -> "RowBatch":
+        """Rows whose settings are already on the device (``settings`` columns): no host work
+        beyond slicing, so a CUDA graph can build its batch from a captured input."""
+        return cls(params=tuple(params), keys=tuple(keys), flags=flags,
+                   temperature_B=settings_BC[:, 0].float(), top_k_B=settings_BC[:, 1].long(),
+                   top_p_B=settings_BC[:, 2].float(), greedy_B=settings_BC[:, 3] > 0,
+                   processed_B=settings_BC[:, 4] > 0, settings_BC=host_BC)
 
     def processed(self, logits_BV: torch.Tensor) -> torch.Tensor:
         """``processed_logits`` for every row at once (masked entries -inf)."""
         # Every row at temperature 1 (or greedy) is the common case: no pass over [B, V] then.
-        z_BV = logits_BV / self.temperature_B[:, None] if self.any_temperature else logits_BV
-        if self.k_max:
-            top_BK = torch.topk(z_BV, self.k_max, dim=-1).values
-            kth_B = top_BK.gather(1, (self.top_k_B.clamp(max=self.k_max) - 1)[:, None])
+        z_BV = logits_BV / self.temperature_B[:, None] if self.flags.any_temperature else logits_BV
+        if self.flags.k_max:
+            top_BK = torch.topk(z_BV, self.flags.k_max, dim=-1).values
+            kth_B = top_BK.gather(1, (self.top_k_B.clamp(max=self.flags.k_max) - 1)[:, None])
             # Rows without top-k (k = vocab > k_max) get a threshold that masks nothing.
-            kth_B = kth_B.masked_fill((self.top_k_B > self.k_max)[:, None], float("-inf"))
+            kth_B = kth_B.masked_fill((self.top_k_B > self.flags.k_max)[:, None], float("-inf"))
             z_BV = z_BV.masked_fill(z_BV < kth_B, float("-inf"))
-        if self.any_top_p:
+        if self.flags.any_top_p:
             z_BV = self._top_p(z_BV)
         return z_BV
 
@@ -259,29 +291,38 @@ class RowBatch:
     def draw(self, logits_BV: torch.Tensor, steps: Sequence[int]) -> "Drawn":
         """Sample one token per row from float32 logits [B, V]; ``steps[b]`` is how many tokens
         row b has drawn before (its position in its own random stream)."""
-        if self.all_greedy:
+        uniforms_B = None if self.flags.all_greedy else torch.from_numpy(
+            row_uniforms(self.keys, steps)).to(logits_BV.device, non_blocking=True)
+        # One transfer for the whole step.
+        return Drawn(self.packed(logits_BV, uniforms_B).cpu().tolist(), self)
+
+    def packed(self, logits_BV: torch.Tensor, uniforms_B: torch.Tensor | None) -> torch.Tensor:
+        """``draw`` on the device, each row with its uniform: per row the token id, its logprob,
+        then ``flags.max_top`` ids and their logprobs, float64 [B, 2 + 2·max_top] (token ids are
+        exact in float64). No host sync, no host data: a CUDA graph can capture it."""
+        flags = self.flags
+        if flags.all_greedy:
             token_B = torch.argmax(logits_BV, dim=-1)
         else:
+            assert uniforms_B is not None, "rows that sample need their uniforms"
             z_BV = self.processed(logits_BV)
-            uniforms_B = torch.from_numpy(row_uniforms(self.keys, steps)).to(logits_BV.device, non_blocking=True)
             token_B, z_lse_B = inverse_cdf(z_BV, uniforms_B)
-            if self.any_greedy:
+            if flags.any_greedy:
                 token_B = torch.where(self.greedy_B, torch.argmax(logits_BV, dim=-1), token_B)
         # The reported distribution as (logits, logsumexp): each [B, V] pass costs at a 152k
         # vocabulary, so the raw one only where a row reports it, and no log_softmax pass at all.
-        if self.all_processed:
+        if flags.all_processed:
             report_BV, lse_B = z_BV, z_lse_B
-        elif self.none_processed:
+        elif flags.none_processed:
             report_BV, lse_B = logits_BV, logsumexp(logits_BV)
         else:
             report_BV = torch.where(self.processed_B[:, None], z_BV, logits_BV)
             lse_B = torch.where(self.processed_B, z_lse_B, logsumexp(logits_BV))
         columns = [token_B[:, None].double(), (report_BV.gather(1, token_B[:, None]) - lse_B[:, None]).double()]
-        if self.max_top:
-            top_values_BK, top_ids_BK = torch.topk(report_BV, min(self.max_top, report_BV.shape[-1]), dim=-1)
+        if flags.max_top:
+            top_values_BK, top_ids_BK = torch.topk(report_BV, min(flags.max_top, report_BV.shape[-1]), dim=-1)
             columns += [top_ids_BK.double(), (top_values_BK - lse_B[:, None]).double()]
-        # One transfer for the whole step (token ids are exact in float64).
-        return Drawn(torch.cat(columns, 1).cpu().tolist(), self)
+        return torch.cat(columns, 1)
 
 
 @dataclass(frozen=True)

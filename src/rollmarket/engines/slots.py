@@ -15,6 +15,13 @@ position). With B and L rounded up to buckets (powers of two) a step's shapes re
 that hold no row are fed a pad token at position 0: they compute garbage into their own column 0,
 which the next row to take the slot overwrites with its prompt.
 
+The step also draws each row's next token (``sampling.RowBatch.packed``) from the logits it just
+made, so a graphed step is one replay for the forward and the sampling together (drawn outside,
+the sampler's ~40 small kernels took 1.0–1.4 ms a step on an H200, as long as a small model's whole
+forward). Its one input is a float64 ``[B, 9]`` array built on the host: each slot's token id,
+position and uniform, then its sampling settings (``sampling.SETTINGS``); holes sample as the first
+row does, so they change no flag. The flags (which passes the draw runs) key the graph beside (B, L).
+
 The buffers start small and double (slots or width) when a row needs more; growing copies the
 buffers and drops the captured graphs, a few times per server life. Graphs are used on CUDA for
 models whose layers all attend fully (a sliding window needs its own mask) and that have no MoE
@@ -24,17 +31,20 @@ data-dependent shapes); everything else runs the same slot steps eagerly.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
+import numpy as np
 import torch
 
 from .graphs import BodyGraphs, GraphUnavailable
 from .routing import RouterCapture
+from .sampling import SETTINGS, RowBatch, RowFlags, row_uniforms
 
 MIN_WIDTH = 128
 """Columns of a fresh cache, and the smallest length bucket a graph attends over."""
 MIN_SLOTS = 4
+STEP_COLUMNS = 3 + len(SETTINGS)
+"""A decode step's input per slot: token id, position, uniform, then the row's sampling settings."""
 
 
 def bucket(n: int, least: int = 1) -> int:
@@ -113,7 +123,8 @@ class SlotCache:
 class SlotKV:
     """The slot store of a ``DecodeSession``: which row owns which slot, the cache, the graphs."""
 
-    def __init__(self, model: Any, pad_id: int, *, graphs: bool):
+    def __init__(self, model: Any, pad_id: int, *, graphs: bool, cache_arg: str):
+        """``cache_arg``: the name the model's forward takes its cache by (``RolloutEngine``)."""
         self.model = model
         self.pad_id = pad_id
         self.graphs_wanted = graphs
@@ -129,8 +140,8 @@ class SlotKV:
         """Why the graphs were given up (the steps then run eagerly), if they were."""
         self.captures = 0
         """Graphs captured over this store's life (regrowing the cache drops them)."""
-        # transformers 5 renamed ``past_key_values`` to ``cache``; older releases know only the former.
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = cache_arg
+        self._columns: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def _weights(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters())
@@ -190,60 +201,81 @@ class SlotKV:
             slots.append(free)
         self._ensure(len(self.owner), mask_BS.shape[1] + 1).fill(cache, mask_BS, slots)
 
-    def leave(self, rows: list[Any]) -> None:
-        for row in rows:
+    def keep(self, keep: list[int], rows: list[Any], gone: list[Any]) -> None:
+        """Rows ``gone`` left (the others keep their slots): their slots are free again."""
+        for row in gone:
             self.owner[row.slot] = None
         while self.owner and self.owner[-1] is None:
             self.owner.pop()
 
-    def keep(self, keep: list[int], rows: list[Any]) -> None:
-        pass  # rows keep their slots; ``leave`` freed the others
-
-    def decode(self, rows: list[Any], capture: RouterCapture) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed every row its last token at its position; the next logits (and experts) per row."""
+    def decode(self, rows: list[Any], capture: RouterCapture, sampler: RowBatch | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, list[list[float]] | None]:
+        """Feed every row its last token at its position: the next logits (and experts) per row,
+        and with a ``sampler`` (``rows``' settings and keys, in their order) each row's next draw
+        (a ``RowBatch.packed`` row), made inside the step."""
         used = len(self.owner)
         longest = max(r.cached for r in rows) + 1
         graphs = self.graphs_wanted and not capture.active and self.graphs_error is None
         B, L = (bucket(used), bucket(longest, MIN_WIDTH)) if graphs else (used, longest)
         cache = self._ensure(B, L)
-        ids_B = [self.pad_id] * B
-        pos_B = [0] * B
-        for r in rows:
-            ids_B[r.slot], pos_B[r.slot] = r.tokens[-1], r.cached
+        step_BC = np.empty((B, STEP_COLUMNS))
+        step_BC[:, :3] = (self.pad_id, 0, 0.5)
+        slots = [r.slot for r in rows]
+        step_BC[slots, 0] = [r.tokens[-1] for r in rows]
+        step_BC[slots, 1] = [r.cached for r in rows]
+        if sampler is not None:
+            assert sampler.settings_BC is not None, "a sampler built on the host (from_params)"
+            step_BC[:, 3:] = sampler.settings_BC[0]  # holes sample as the first row: no new flag
+            # Each row's next uniform: its draw number is the count of tokens it holds now.
+            step_BC[slots, 2] = row_uniforms(sampler.keys, [len(r.tokens) for r in rows])
+            step_BC[slots, 3:] = sampler.settings_BC
+        else:
+            step_BC[:, 3:] = 0.0
         device = cache.keys[0].device
-        ids_t = torch.tensor(ids_B).to(device, non_blocking=True)
-        pos_t = torch.tensor(pos_B).to(device, non_blocking=True)
-        columns_L = torch.arange(L, device=device)
+        step_t = torch.from_numpy(step_BC).to(device, non_blocking=True)
+        columns_L = self._columns.get((L, device))
+        if columns_L is None:
+            columns_L = self._columns[(L, device)] = torch.arange(L, device=device)
         experts_BLK = None
-        if graphs:
-            logits_BV = self._graphed(ids_t, pos_t, columns_L)
-        if not graphs or logits_BV is None:
+        flags = sampler.flags if sampler is not None else None
+        out = self._graphed(step_t, columns_L, flags) if graphs else None
+        if out is None:
             with capture:
-                logits_BV = self.forward(ids_t, pos_t, columns_L)
+                out = self.forward(step_t, columns_L, flags)
                 if capture.active:
                     experts_BLK = capture.take(B, 1)[:, 0]
-        index = [r.slot for r in rows]
-        picked = logits_BV[torch.tensor(index, device=device)]
-        return picked, (experts_BLK[index] if experts_BLK is not None else None)
+        logits_BV, packed_BC = out
+        index = torch.tensor(slots).to(device, non_blocking=True)
+        picked = logits_BV[index]  # a copy: a graph's outputs are overwritten by its next replay
+        experts = experts_BLK[slots] if experts_BLK is not None else None
+        if packed_BC is None:
+            return picked, experts, None
+        packed = packed_BC.cpu().tolist()  # the step's one wait for the device
+        return picked, experts, [packed[s] for s in slots]
 
-    def _graphed(self, ids_B: torch.Tensor, pos_B: torch.Tensor, columns_L: torch.Tensor) -> torch.Tensor | None:
+    def _graphed(self, step_BC: torch.Tensor, columns_L: torch.Tensor, flags: RowFlags | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if self._graphs is None:
             self._graphs = BodyGraphs(self.forward, shapes=64)
             self._graphed_weights = self._weights()
         before = self._graphs.captures
         try:
-            logits_BV = self._graphs(ids_B, pos_B, columns_L)
+            out = self._graphs(step_BC, columns_L, options=(flags,))
         except GraphUnavailable as exc:
             self.graphs_error = str(exc)
             self._graphs = None
             return None
         self.captures += self._graphs.captures - before
-        return logits_BV
+        return out
 
-    def forward(self, ids_B: torch.Tensor, pos_B: torch.Tensor, columns_L: torch.Tensor) -> torch.Tensor:
-        """One decode step over slots ``[0, B)`` attending over columns ``[0, L)``: the logits
-        ``[B, vocab]`` in float32. Fixed shapes for fixed (B, L): what the graphs capture."""
+    def forward(self, step_BC: torch.Tensor, columns_L: torch.Tensor, flags: RowFlags | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step over slots ``[0, B)`` attending over columns ``[0, L)``, then (with
+        ``flags``) each slot's draw: the logits ``[B, vocab]`` in float32 and the draws
+        (``RowBatch.packed``, None without flags).
+        Fixed shapes for fixed (B, L) and flags: what the graphs capture."""
         assert self.cache is not None
+        ids_B, pos_B = step_BC[:, 0].long(), step_BC[:, 1].long()
         self.cache.bind(pos_B, columns_L.shape[0])
         dtype = self.cache.keys[0].dtype
         # Additive, as transformers builds its own masks: 0 where a row may attend, the most
@@ -255,5 +287,8 @@ class SlotKV:
         out = self.model(input_ids=ids_B[:, None], position_ids=pos_B[:, None],
                          attention_mask=mask_B11L, use_cache=True,
                          **{self._cache_arg: self.cache})
-        return out.logits[:, -1].float()
-
+        logits_BV = out.logits[:, -1].float()
+        if flags is None:
+            return logits_BV, None
+        rows = RowBatch.from_settings(step_BC[:, 3:], flags)
+        return logits_BV, rows.packed(logits_BV, step_BC[:, 2])

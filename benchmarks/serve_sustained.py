@@ -1,0 +1,270 @@
+"""Model-server throughput under sustained load: HTTP against the engine alone, both kept full.
+
+`serve_throughput.py` sends bursts: 32 equal requests at once, then nothing until all 32 answer.
+Every request's HTTP work (the client's and the server's) then runs while the GPU idles: before
+the burst's prefill or after its last step. Rollout workers do not wait for each other like that:
+each sends its next request when its last one answers, so a server's batch stays full and the
+requests' HTTP work overlaps the decode of the others. This benchmark measures that.
+
+A closed loop of ``--concurrency`` streams (32) works through ``--requests`` chat requests whose
+lengths (``ignore_eos``) are drawn once, seeded, uniformly from [max_tokens/2, 3·max_tokens/2], so
+sequences end at different steps and new ones join a running batch:
+
+- ``http``: a real `rollmarket serve-model` on loopback; the streams are split over ``--clients``
+  processes, each an official ``openai`` AsyncOpenAI client (a stream sends its next request when
+  its last one answers).
+- ``engine``: the same requests in this process on one ``DecodeSession`` (no HTTP, no batcher):
+  when a row finishes its stream's next request is ready at once, and ready requests join by
+  the server's own rule (``serve.batcher.join_now``: a busy batch takes joiners in groups).
+
+tokens/s = completion tokens of all requests / wall time from the first request sent to the last
+answer; the ratio ``http / engine`` is what HTTP serving costs. Both run ``--repeats`` times after
+one warm-up run each (which also captures the CUDA graphs of every batch size a run passes
+through); the median is kept.
+
+    python benchmarks/serve_sustained.py                    # tiny-moe and tiny-dense on the CPU
+    python benchmarks/serve_sustained.py --device cuda      # + the Qwen3-0.6B shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import multiprocessing
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections import deque
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from serve_throughput import DEFAULT_MODELS, DEFAULT_SHAPES, MESSAGES, SHAPES, _device_name, _start_server, materialise  # noqa: E402
+
+console = Console(width=max(Console().width, 150))
+
+
+def lengths(requests: int, max_tokens: int, seed: int = 0) -> list[int]:
+    """Each request's completion length: uniform in [max_tokens/2, 3·max_tokens/2], seeded."""
+    rng = random.Random(seed)
+    return [rng.randint(max(1, max_tokens // 2), 3 * max_tokens // 2) for _ in range(requests)]
+
+
+_CHILD: dict = {}
+
+
+def _child_start(url: str) -> None:
+    from openai import AsyncOpenAI
+
+    _CHILD["loop"] = asyncio.new_event_loop()
+    _CHILD["client"] = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+async def _streams(client, name: str, queues: list[list[tuple[int, int]]]) -> tuple[int, float]:
+    """Each queue is one stream's (seed, length) requests, sent one after another; (completion
+    tokens, CPU seconds of this process meanwhile)."""
+    async def stream(queue: list[tuple[int, int]]) -> int:
+        tokens = 0
+        for seed, length in queue:
+            resp = await client.chat.completions.create(
+                model=name, messages=MESSAGES, max_tokens=length, temperature=1.0, seed=seed,
+                extra_body={"ignore_eos": True})
+            assert resp.usage.completion_tokens == length, resp.usage
+            tokens += length
+        return tokens
+
+    cpu = time.process_time()
+    done = await asyncio.gather(*(stream(q) for q in queues))
+    return sum(done), time.process_time() - cpu
+
+
+def _child_run(name: str, queues: list[list[tuple[int, int]]]) -> tuple[int, float]:
+    try:
+        return _CHILD["loop"].run_until_complete(_streams(_CHILD["client"], name, queues))
+    except Exception as exc:  # the openai client's errors do not pickle back to the parent
+        raise RuntimeError(f"a client stream failed: {exc!r}") from None
+
+
+def _queues(sizes: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
+    """Request i goes to stream i mod concurrency (its seed is i)."""
+    return [[(i, sizes[i]) for i in range(s, len(sizes), concurrency)] for s in range(concurrency)]
+
+
+def bench_http(model: Path, sizes: list[int], args, log: Path) -> dict:
+    proc, url = _start_server(model, args, log)
+    pool = multiprocessing.get_context("spawn").Pool(args.clients, initializer=_child_start, initargs=(url,))
+    try:
+        queues = _queues(sizes, args.concurrency)
+        shares = [(model.name, queues[i::args.clients]) for i in range(args.clients)]
+
+        def run() -> tuple[float, int, float, dict]:
+            before = httpx.get(url + "/v1/engine", timeout=60).json()
+            started = time.perf_counter()
+            parts = pool.starmap(_child_run, shares)
+            wall = time.perf_counter() - started
+            after = httpx.get(url + "/v1/engine", timeout=60).json()
+            delta = {k: after[k] - before[k] for k in ("decode_steps", "decode_seconds", "prefill_seconds",
+                                                       "queue_seconds", "batches")}
+            return wall, sum(t for t, _ in parts), sum(c for _, c in parts), delta
+
+        run()  # warm-up: graphs of every batch size the loop passes through
+        runs = [run() for _ in range(args.repeats)]
+    finally:
+        pool.terminate()
+        proc.terminate()
+        proc.wait(30)
+    rates = [tokens / wall for wall, tokens, _, _ in runs]
+    mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
+    wall, tokens, cpu, delta = runs[mid]
+    return {"model": model.name, "path": "http", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
+            "wall_s": wall, "tokens": tokens, "clients": args.clients,
+            "client_cpu_ms_per_request": 1000 * cpu / len(sizes),
+            # How full the server kept its batch: tokens per decode step (a step decodes every running row).
+            "mean_batch": tokens / max(delta["decode_steps"], 1),
+            "server_step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),
+            "decode_share": (delta["decode_seconds"] + delta["prefill_seconds"]) / wall,
+            "prefills": delta["batches"], "queue_ms_mean": 1000 * delta["queue_seconds"] / len(sizes)}
+
+
+def bench_engine(model: Path, sizes: list[int], args) -> dict:
+    import torch
+
+    from rollmarket.engines import RolloutEngine, SamplingParams
+    from rollmarket.serve.batcher import join_now
+
+    engine = RolloutEngine.from_path(model, args.precision, args.device)
+    prompt = engine.encode_chat(MESSAGES)
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def run() -> tuple[float, int, int, int]:
+        # Closed loop: a request is ready when its stream's previous one ends (the first
+        # ``concurrency`` at once); ready ones join by the server's rule (``join_now``).
+        ready: deque[tuple[int, int, int]] = deque()  # (seed, length, step it became ready)
+        order = iter(enumerate(sizes))
+
+        def make_ready(count: int, step: int) -> None:
+            for seed, length in itertools.islice(order, count):
+                ready.append((seed, length, step))
+
+        make_ready(args.concurrency, 0)
+        session = engine.session()
+        tokens = steps = prefills = 0
+        sync()
+        started = time.perf_counter()
+        while ready or session:
+            room = args.concurrency - len(session)
+            if ready and (not session or join_now(len(ready), room, len(session), args.concurrency,
+                                                  steps - ready[0][2])):
+                joining = [ready.popleft() for _ in range(min(room, len(ready)))]
+                session.add([prompt] * len(joining), [SamplingParams(temperature=1.0, max_tokens=n, seed=i,
+                                                                     ignore_eos=True) for i, n, _ in joining])
+                prefills += 1
+            events = session.step()
+            steps += 1
+            tokens += len(events)
+            make_ready(sum(ev.finish_reason is not None for ev in events), steps)
+        sync()
+        return time.perf_counter() - started, tokens, steps, prefills
+
+    run()
+    runs = [run() for _ in range(args.repeats)]
+    rates = [tokens / wall for wall, tokens, _, _ in runs]
+    mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
+    wall, tokens, steps, prefills = runs[mid]
+    assert tokens == sum(sizes), (tokens, sum(sizes))
+    captures = sum(store.captures for store in engine._idle_slots)
+    engine = None
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"model": model.name, "path": "engine", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
+            "wall_s": wall, "tokens": tokens, "mean_batch": tokens / steps, "prefills": prefills,
+            "step_ms": 1000 * wall / steps, "graph_captures": captures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, action="append", default=None,
+                        help="Model directory (repeatable); default models/tiny-moe and models/tiny-dense.")
+    parser.add_argument("--device", default="cpu", help="Torch device for server and engine: cpu, cuda, cuda:1.")
+    parser.add_argument("--precision", default="bf16", help="Precision profile: fp32, bf16, fp16 or fp8.")
+    parser.add_argument("--shape", default=None,
+                        help=f"Comma-separated random-weight shapes from {', '.join(SHAPES)}; default none on cpu, "
+                             f"{DEFAULT_SHAPES['cuda']} on cuda ('' or none for none).")
+    parser.add_argument("--concurrency", type=int, default=32, help="Streams kept in flight (the batch).")
+    parser.add_argument("--requests", type=int, default=None, help="Requests per run; default 8 per stream.")
+    parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
+    parser.add_argument("--clients", type=int, default=4, help="Client processes the streams are split over.")
+    parser.add_argument("--repeats", type=int, default=3, help="Measured runs per path (the median is kept).")
+    parser.add_argument("--batch-window-ms", type=float, default=5.0, help="The server's batching window.")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for server and engine; default 1 on cpu, torch's own on cuda.")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="Results as JSON; default benchmarks/results/serve_sustained[-cuda].json.")
+    args = parser.parse_args()
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    args.out = args.out or REPO / "benchmarks" / "results" / (
+        "serve_sustained-cuda.json" if kind == "cuda" else "serve_sustained.json")
+    args.requests = args.requests or 8 * args.concurrency
+    args.batches = [args.concurrency]  # _start_server sizes the server's batch from it
+    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x and x != "none"]
+    models = [m.resolve() for m in (args.model or DEFAULT_MODELS)]
+    if args.threads is None:
+        args.threads = 1 if args.device == "cpu" else 0
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sizes = lengths(args.requests, args.max_tokens)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            models.append(materialise(shape, args, Path(tmp)))
+        for model in models:
+            console.print(f"[bold]{model.name}[/] at {args.precision} on {args.device}: {args.requests} requests, "
+                          f"{args.concurrency} in flight, {sum(sizes)} tokens")
+            http = bench_http(model, sizes, args, Path(tmp) / f"{model.name}.log")
+            console.print(f"  http   {http['tokens_per_s']:9.1f} tokens/s (mean batch {http['mean_batch']:.1f})")
+            engine = bench_engine(model, sizes, args)
+            console.print(f"  engine {engine['tokens_per_s']:9.1f} tokens/s (mean batch {engine['mean_batch']:.1f})")
+            http["over_engine"] = http["tokens_per_s"] / engine["tokens_per_s"]
+            results += [http, engine]
+
+    table = Table(title=f"serve-model under sustained load: {args.concurrency} streams, {args.requests} requests "
+                        f"of {args.max_tokens // 2}–{3 * args.max_tokens // 2} tokens, {args.precision} on {args.device}")
+    for column in ("model", "path", "tokens/s", "/ engine", "mean batch", "ms per step", "prefills",
+                   "client CPU ms/request"):
+        table.add_column(column, justify="right")
+    for row in results:
+        http = row["path"] == "http"
+        table.add_row(row["model"], row["path"], f"{row['tokens_per_s']:.1f}",
+                      f"{row['over_engine']:.2f}" if http else "-", f"{row['mean_batch']:.1f}",
+                      f"{row['server_step_ms' if http else 'step_ms']:.2f}", str(row["prefills"]),
+                      f"{row['client_cpu_ms_per_request']:.2f}" if http else "-")
+    console.print(table)
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
+            "threads": args.threads or None, "batch_window_ms": args.batch_window_ms,
+            "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
+            "clients": args.clients, "models": [str(m) for m in models[:len(models) - len(shapes)]],
+            "shapes": shapes, "command": " ".join(sys.argv)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    console.print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

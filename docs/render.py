@@ -373,9 +373,10 @@ SERVE_CUDA_RUNS = (
     ("benchmarks/results/serve_throughput-long-cuda.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-clients-cuda-1.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-cuda-h200-slots3.json", "slots + graphs"),
-    ("benchmarks/results/serve_throughput-clients-cuda.json", "slots + graphs"),
+    ("benchmarks/results/serve_throughput-clients-cuda-2.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-cuda-h200-gc.json", "slots + graphs, gc frozen"),
     (SERVE_CUDA, "the same, draw inside the step"),
+    ("benchmarks/results/serve_throughput-clients-cuda.json", "the same, draw inside the step"),
 )
 """Every committed GPU run of the same benchmark since its warm-ups settled, oldest first, with the
 decode's KV cache it ran (``padded``: the DynamicCache before engines/slots.py; tiny-moe, an MoE

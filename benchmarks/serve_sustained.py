@@ -49,7 +49,8 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from serve_throughput import DEFAULT_MODELS, DEFAULT_SHAPES, MESSAGES, SHAPES, _device_name, _start_server, materialise  # noqa: E402
+from serve_throughput import (DEFAULT_SHAPES, MESSAGES, SHAPES, _device_name, _start_server,  # noqa: E402
+                              materialise, models_and_shapes)
 
 console = Console(width=max(Console().width, 150))
 
@@ -219,14 +220,9 @@ def main() -> None:
         "serve_sustained-cuda.json" if kind == "cuda" else "serve_sustained.json")
     args.requests = args.requests or 8 * args.concurrency
     args.batches = [args.concurrency]  # _start_server sizes the server's batch from it
-    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x and x != "none"]
-    models = [m.resolve() for m in (args.model or DEFAULT_MODELS)]
-    if args.threads is None:
-        args.threads = 1 if args.device == "cpu" else 0
+    models, shapes = models_and_shapes(args)
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     sizes = lengths(args.requests, args.max_tokens)
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -447,6 +447,21 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def models_and_shapes(args) -> tuple[list[Path], list[str]]:
+    """The shipped models (``--model``) and random-weight shapes (``--shape``) a run covers; sets
+    torch's CPU threads (``--threads``: 1 on the CPU unless given). Shared with serve_sustained.py."""
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x and x != "none"]
+    models = [m.resolve() for m in (args.model or DEFAULT_MODELS)]
+    if args.threads is None:
+        args.threads = 1 if args.device == "cpu" else 0
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return models, shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, action="append", default=None,
@@ -475,14 +490,7 @@ def main() -> None:
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     args.out = args.out or REPO / "benchmarks" / "results" / (
         "serve_throughput-cuda.json" if kind == "cuda" else "serve_throughput.json")
-    shapes = [x for x in (DEFAULT_SHAPES[kind] if args.shape is None else args.shape).split(",") if x and x != "none"]
-    models = [m.resolve() for m in (args.model or DEFAULT_MODELS)]
-    if args.threads is None:
-        args.threads = 1 if args.device == "cpu" else 0
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    models, shapes = models_and_shapes(args)
 
     results: list[dict] = []
     splits: list[dict] = []

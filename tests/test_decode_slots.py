@@ -19,6 +19,7 @@ import torch
 from rollmarket.engines import RolloutEngine, SamplingParams
 from rollmarket.engines.loading import load_model
 from rollmarket.engines.slots import MIN_SLOTS, MIN_WIDTH, SlotKV
+from test_sampling import MIXED  # every sampling setting, one per row
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -203,15 +204,6 @@ def test_a_session_that_ran_dry_takes_new_rows(kv):
     assert late.tokens == alone.token_ids_T.tolist()
     np.testing.assert_allclose(late.logprobs, alone.logprobs_T, atol=1e-5)
 
-
-MIXED = [
-    SamplingParams(temperature=0.7, top_k=5, top_logprobs=3),
-    SamplingParams(temperature=0),
-    SamplingParams(top_p=0.6, top_logprobs=4),
-    SamplingParams(temperature=1.3, top_k=9, top_p=0.85, logprobs_mode="raw", top_logprobs=2),
-    SamplingParams(),
-    SamplingParams(temperature=0.5, top_p=0.3, logprobs_mode="raw"),
-]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])

@@ -49,7 +49,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from serve_throughput import (DEFAULT_SHAPES, MESSAGES, SHAPES, _device_name, _start_server,  # noqa: E402
+from serve_throughput import (MESSAGES, _device_name, _start_server, add_server_arguments,  # noqa: E402
                               materialise, models_and_shapes)
 
 console = Console(width=max(Console().width, 150))
@@ -197,21 +197,12 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, action="append", default=None,
-                        help="Model directory (repeatable); default models/tiny-moe and models/tiny-dense.")
-    parser.add_argument("--device", default="cpu", help="Torch device for server and engine: cpu, cuda, cuda:1.")
-    parser.add_argument("--precision", default="bf16", help="Precision profile: fp32, bf16, fp16 or fp8.")
-    parser.add_argument("--shape", default=None,
-                        help=f"Comma-separated random-weight shapes from {', '.join(SHAPES)}; default none on cpu, "
-                             f"{DEFAULT_SHAPES['cuda']} on cuda ('' or none for none).")
+    add_server_arguments(parser)
     parser.add_argument("--concurrency", type=int, default=32, help="Streams kept in flight (the batch).")
     parser.add_argument("--requests", type=int, default=None, help="Requests per run; default 8 per stream.")
     parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
     parser.add_argument("--clients", type=int, default=4, help="Client processes the streams are split over.")
     parser.add_argument("--repeats", type=int, default=3, help="Measured runs per path (the median is kept).")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0, help="The server's batching window.")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads for server and engine; default 1 on cpu, torch's own on cuda.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Results as JSON; default benchmarks/results/serve_sustained[-cuda].json.")
     args = parser.parse_args()

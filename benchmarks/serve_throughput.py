@@ -447,6 +447,20 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the model, its server and torch (shared with serve_sustained.py)."""
+    parser.add_argument("--model", type=Path, action="append", default=None,
+                        help="Model directory (repeatable); default models/tiny-moe and models/tiny-dense.")
+    parser.add_argument("--device", default="cpu", help="Torch device for server and engine: cpu, cuda, cuda:1.")
+    parser.add_argument("--precision", default="bf16", help="Precision profile: fp32, bf16, fp16 or fp8.")
+    parser.add_argument("--shape", default=None,
+                        help=f"Comma-separated random-weight shapes from {', '.join(SHAPES)} (teacher_forcing's); "
+                             f"default none on cpu, {DEFAULT_SHAPES['cuda']} on cuda ('' or none for none).")
+    parser.add_argument("--batch-window-ms", type=float, default=5.0, help="The server's batching window.")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for server and engine; default 1 on cpu, torch's own on cuda.")
+
+
 def models_and_shapes(args) -> tuple[list[Path], list[str]]:
     """The shipped models (``--model``) and random-weight shapes (``--shape``) a run covers; sets
     torch's CPU threads (``--threads``: 1 on the CPU unless given). Shared with serve_sustained.py."""
@@ -464,19 +478,10 @@ def models_and_shapes(args) -> tuple[list[Path], list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, action="append", default=None,
-                        help="Model directory (repeatable); default models/tiny-moe and models/tiny-dense.")
-    parser.add_argument("--device", default="cpu", help="Torch device for server and engine: cpu, cuda, cuda:1.")
-    parser.add_argument("--precision", default="bf16", help="Precision profile: fp32, bf16, fp16 or fp8.")
+    add_server_arguments(parser)
     parser.add_argument("--batches", default="1,32", help="Comma-separated concurrent request counts.")
     parser.add_argument("--max-tokens", type=int, default=64, help="Completion tokens per request.")
     parser.add_argument("--repeats", type=int, default=3, help="Measured bursts per case (the median is kept).")
-    parser.add_argument("--batch-window-ms", type=float, default=5.0, help="The server's batching window.")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads for server and engine; default 1 on cpu, torch's own on cuda.")
-    parser.add_argument("--shape", default=None,
-                        help=f"Comma-separated random-weight shapes from {', '.join(SHAPES)} (teacher_forcing's); "
-                             f"default none on cpu, {DEFAULT_SHAPES['cuda']} on cuda ('' or none for none).")
     parser.add_argument("--split-steps", type=int, default=32, help="Decode steps timed for the forward/sampling split.")
     parser.add_argument("--clients", type=int, default=1,
                         help="Client processes a burst's HTTP requests are split over (as rollout workers send "

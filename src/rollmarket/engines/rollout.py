@@ -347,8 +347,7 @@ class DecodeSession:
             # Rows joined since the last slot step drew the others: only the joiners draw here, from
             # their prefill's logits (the last rows), each row with its own settings and uniform.
             joiners = self.rows[drawn_before:]
-            tail = RowBatch.from_params([r.params for r in joiners], [r.key for r in joiners],
-                                        self._logits_BV.shape[-1], self._logits_BV.device)
+            tail = self._sampler_for(joiners)
             drawn = Drawn(ready + tail.draw(self._logits_BV[drawn_before:], [len(r.tokens) for r in joiners]).packed,
                           sampler)
         else:
@@ -383,14 +382,16 @@ class DecodeSession:
                 r.cached += 1
         return events
 
-
     def _rows_sampler(self) -> RowBatch:
         """The running rows' sampling settings (built again whenever rows join or leave)."""
         if self._sampler is None:
-            assert self._logits_BV is not None  # rows are running
-            self._sampler = RowBatch.from_params([r.params for r in self.rows], [r.key for r in self.rows],
-                                                 self._logits_BV.shape[-1], self._logits_BV.device)
+            self._sampler = self._sampler_for(self.rows)
         return self._sampler
+
+    def _sampler_for(self, rows: list[_Row]) -> RowBatch:
+        assert self._logits_BV is not None  # rows are running
+        return RowBatch.from_params([r.params for r in rows], [r.key for r in rows],
+                                    self._logits_BV.shape[-1], self._logits_BV.device)
 
 
 class PaddedKV:

@@ -101,8 +101,8 @@ def _queues(sizes: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
     return [[(i, sizes[i]) for i in range(s, len(sizes), concurrency)] for s in range(concurrency)]
 
 
-def bench_http(model: Path, sizes: list[int], args, log: Path) -> dict:
-    proc, url = _start_server(model, args, log)
+def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process: bool) -> dict:
+    proc, url = _start_server(model, args, log, ("--engine-process",) if engine_process else ())
     pool = multiprocessing.get_context("spawn").Pool(args.clients, initializer=_child_start, initargs=(url,))
     try:
         queues = _queues(sizes, args.concurrency)
@@ -127,7 +127,7 @@ def bench_http(model: Path, sizes: list[int], args, log: Path) -> dict:
     rates = [tokens / wall for wall, tokens, _, _ in runs]
     mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
     wall, tokens, cpu, delta = runs[mid]
-    return {"model": model.name, "path": "http", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
+    return {"model": model.name, "path": "http-process" if engine_process else "http", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
             "wall_s": wall, "tokens": tokens, "clients": args.clients,
             "client_cpu_ms_per_request": 1000 * cpu / len(sizes),
             # How full the server kept its batch: tokens per decode step (a step decodes every running row).
@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="Requests per run; default 8 per stream.")
     parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
     parser.add_argument("--clients", type=int, default=4, help="Client processes the streams are split over.")
+    parser.add_argument("--servers", default="thread,process",
+                        help="Which serve-model to measure: thread (decodes in the HTTP process), process "
+                             "(--engine-process), or both.")
     parser.add_argument("--repeats", type=int, default=3, help="Measured runs per path (the median is kept).")
     parser.add_argument("--out", type=Path, default=None,
                         help="Results as JSON; default benchmarks/results/serve_sustained[-cuda].json.")
@@ -210,6 +213,11 @@ def main() -> None:
     args.out = args.out or REPO / "benchmarks" / "results" / (
         "serve_sustained-cuda.json" if kind == "cuda" else "serve_sustained.json")
     args.requests = args.requests or 8 * args.concurrency
+    kinds = {"thread": False, "process": True}
+    try:
+        args.servers = [kinds[x] for x in args.servers.split(",") if x]
+    except KeyError as exc:
+        parser.error(f"--servers: {exc.args[0]!r} is neither thread nor process")
     args.batches = [args.concurrency]  # _start_server sizes the server's batch from it
     models, shapes = models_and_shapes(args)
     import torch
@@ -222,12 +230,18 @@ def main() -> None:
         for model in models:
             console.print(f"[bold]{model.name}[/] at {args.precision} on {args.device}: {args.requests} requests, "
                           f"{args.concurrency} in flight, {sum(sizes)} tokens")
-            http = bench_http(model, sizes, args, Path(tmp) / f"{model.name}.log")
-            console.print(f"  http   {http['tokens_per_s']:9.1f} tokens/s (mean batch {http['mean_batch']:.1f})")
+            served = []
+            for engine_process in args.servers:
+                http = bench_http(model, sizes, args, Path(tmp) / f"{model.name}-{engine_process}.log",
+                                  engine_process=engine_process)
+                console.print(f"  {http['path']:12} {http['tokens_per_s']:9.1f} tokens/s "
+                              f"(mean batch {http['mean_batch']:.1f})")
+                served.append(http)
             engine = bench_engine(model, sizes, args)
-            console.print(f"  engine {engine['tokens_per_s']:9.1f} tokens/s (mean batch {engine['mean_batch']:.1f})")
-            http["over_engine"] = http["tokens_per_s"] / engine["tokens_per_s"]
-            results += [http, engine]
+            console.print(f"  {'engine':12} {engine['tokens_per_s']:9.1f} tokens/s (mean batch {engine['mean_batch']:.1f})")
+            for http in served:
+                http["over_engine"] = http["tokens_per_s"] / engine["tokens_per_s"]
+            results += [*served, engine]
 
     table = Table(title=f"serve-model under sustained load: {args.concurrency} streams, {args.requests} requests "
                         f"of {args.max_tokens // 2}–{3 * args.max_tokens // 2} tokens, {args.precision} on {args.device}")
@@ -235,7 +249,7 @@ def main() -> None:
                    "client CPU ms/request"):
         table.add_column(column, justify="right")
     for row in results:
-        http = row["path"] == "http"
+        http = row["path"].startswith("http")
         table.add_row(row["model"], row["path"], f"{row['tokens_per_s']:.1f}",
                       f"{row['over_engine']:.2f}" if http else "-", f"{row['mean_batch']:.1f}",
                       f"{row['server_step_ms' if http else 'step_ms']:.2f}", str(row["prefills"]),
@@ -246,7 +260,7 @@ def main() -> None:
             "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
             "threads": args.threads or None, "batch_window_ms": args.batch_window_ms,
             "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
-            "clients": args.clients, "models": [str(m) for m in models[:len(models) - len(shapes)]],
+            "clients": args.clients, "servers": ["process" if x else "thread" for x in args.servers], "models": [str(m) for m in models[:len(models) - len(shapes)]],
             "shapes": shapes, "command": " ".join(sys.argv)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")

@@ -156,7 +156,7 @@ async def _warm(burst, most: int = 4, within: float = 0.15) -> int:
 def bench_server(model: Path, args, log: Path) -> list[dict]:
     from openai import AsyncOpenAI
 
-    proc, url = _start_server(model, args, log)
+    proc, url = _start_server(model, args, log, ("--engine-process",) if args.engine_process else ())
     rows = []
     try:
         name = model.name
@@ -487,6 +487,8 @@ def main() -> None:
                         help="Client processes a burst's HTTP requests are split over (as rollout workers send "
                              "them); 1: all from this process, whose openai client's CPU then adds to the wall.")
     parser.add_argument("--no-engine", action="store_true", help="Skip the in-process engine comparison.")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="serve-model --engine-process: the server decodes in a process of its own.")
     parser.add_argument("--out", type=Path, default=None,
                         help="Where to write the results as JSON; default benchmarks/results/serve_throughput.json "
                              "on cpu, serve_throughput-cuda.json on cuda.")
@@ -554,7 +556,7 @@ def main() -> None:
             "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
             "threads": args.threads or None, "batch_window_ms": args.batch_window_ms, "max_tokens": args.max_tokens, "clients": args.clients,
-            "batches": args.batches, "models": [str(m) for m in models[:len(models) - len(shapes)]], "shapes": shapes,
+            "engine_process": args.engine_process, "batches": args.batches, "models": [str(m) for m in models[:len(models) - len(shapes)]], "shapes": shapes,
             "command": " ".join(sys.argv)}
     console.print(meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -511,6 +511,40 @@ def _():
     return out
 
 
+SERVE_PROCESS_RUNS = {"benchmarks/results/serve_sustained-process-cuda.json": "torch's CPU threads",
+                      "benchmarks/results/serve_sustained-process-t1-cuda.json": "1 CPU thread"}
+
+
+@block("serve-engine-process")
+def _():
+    """Sustained load through serve-model decoding in its HTTP process and in an engine process."""
+    rows, verdicts, runs = [], [], []
+    for path, threads in SERVE_PROCESS_RUNS.items():
+        result = load(path)
+        runs.append(provenance(path, result["meta"]))
+        by = {(r["model"], r["path"]): r for r in result["results"]}
+        for model, label in SERVE_MODELS.items():
+            if (model, "http-process") not in by:
+                continue
+            engine, inside, outside = by[(model, "engine")], by[(model, "http")], by[(model, "http-process")]
+            ratio_in = inside["tokens_per_s"] / engine["tokens_per_s"]
+            ratio_out = outside["tokens_per_s"] / engine["tokens_per_s"]
+            spans = [(min(r["tokens_per_s_runs"]), max(r["tokens_per_s_runs"])) for r in (inside, outside)]
+            rows.append([label, threads, n(engine["tokens_per_s"]), n(inside["tokens_per_s"]),
+                         f"{n(spans[0][0])}–{n(spans[0][1])}", n(inside["server_step_ms"], 2), times(ratio_in),
+                         n(outside["tokens_per_s"]), f"{n(spans[1][0])}–{n(spans[1][1])}",
+                         n(outside["server_step_ms"], 2), times(ratio_out), bold(times(ratio_out / ratio_in), True)])
+            apart = spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]
+            verdicts.append(f"{label} ({threads}) {times(ratio_out / ratio_in)}, runs "
+                            + ("apart" if apart else "overlapping"))
+    return ("\n\n".join(runs) + "\n\n"
+            + table(["model", "torch threads", "engine tok/s", "HTTP tok/s, in-process decode", "its runs",
+                     "server step ms", "÷ engine", "HTTP tok/s, engine process", "its runs", "server step ms",
+                     "÷ engine", "**engine process ÷ in-process**"], list("llrrrrrrrrrr"), rows)
+            + "\n\nThe engine process against the in-process decode, HTTP throughput (medians of 3 runs): "
+            + "; ".join(verdicts) + ".")
+
+
 SAMPLER = "benchmarks/results/sampler_cpu.json"
 SAMPLER_CUDA = "benchmarks/results/sampler_cpu-cuda.json"
 

@@ -65,7 +65,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def load_model(path: str | Path, precision: str | Precision = Precision.fp32,
                device: str | torch.device | None = "cpu") -> LoadedModel:
     """Load weights in float32, apply the precision profile, move to the device, eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -81,10 +81,17 @@ def load_model(path: str | Path, precision: str | Precision = Precision.fp32,
         model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32, local_files_only=True)
     apply_precision(model, profile)
     model.to(dev).eval()  # type: ignore[arg-type]  # transformers types .to() by its own wrapper
-    tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    tokenizer = load_tokenizer(root)
     info = describe(root, model, tokenizer)
     log.info("loaded %s at %s on %s", info.name, profile.value, dev)
     return LoadedModel(model=model, tokenizer=tokenizer, info=info, precision=profile, device=dev)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a model directory (its chat template included), without the weights."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(path), local_files_only=True)
 
 
 def describe(root: Path, model: Any, tokenizer) -> ModelInfo:

@@ -81,6 +81,14 @@ class _Row:
     stop_hit: str | None = None
 
 
+def encode_chat(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """The prompt ids of chat messages (and tools) under the tokenizer's chat template."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
 class RolloutEngine:
     """Sampling over a loaded model. Not thread-safe: one caller (or the server's batcher)."""
 
@@ -143,12 +151,12 @@ class RolloutEngine:
     def precision(self) -> Precision:
         return self.loaded.precision
 
+    @property
+    def device(self) -> str:
+        return str(self.loaded.device)
+
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
-                                                 add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return encode_chat(self.tokenizer, messages, tools)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
                  ) -> list[Generation]:

@@ -38,6 +38,7 @@ from ..engines import RolloutEngine, SamplingParams
 from .batcher import DONE, Batcher, Pending
 from .choice import ChoiceState
 from .detok import Detokenizer
+from .engine_process import EngineFace, RemoteBatcher
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -87,14 +88,19 @@ _ERRORS: dict[int | str, dict[str, Any]] = {status: {"description": text, "conte
 class ModelServer:
     """Turns requests into engine work and engine events into OpenAI-shaped responses."""
 
-    def __init__(self, engine: RolloutEngine, settings: ServeSettings):
+    def __init__(self, engine: RolloutEngine | EngineFace, settings: ServeSettings,
+                 batcher: Batcher | RemoteBatcher | None = None):
+        """``engine``: the engine itself (its decode loop a thread of this process), or an
+        ``EngineFace`` with ``batcher`` the ``RemoteBatcher`` of an engine process."""
         self.engine = engine
         self.settings = settings
         self.name = settings.served_model_name or engine.info.name
         self.detok = Detokenizer(engine.tokenizer)
         self.eos_ids = frozenset(engine.info.eos_token_ids)
-        self.batcher = Batcher(engine, max_seqs=settings.max_batch_seqs,
-                               window_s=settings.batch_window_ms / 1000.0, profile_path=settings.profile_decode)
+        if batcher is None:  # an EngineFace always comes with its RemoteBatcher
+            batcher = Batcher(engine, max_seqs=settings.max_batch_seqs, window_s=settings.batch_window_ms / 1000.0,
+                              profile_path=settings.profile_decode)
+        self.batcher: Batcher | RemoteBatcher = batcher
         self.created = int(time.time())
         self.stored = StoredResponses(settings.responses_kept, settings.responses_db)
 
@@ -164,9 +170,11 @@ class ModelServer:
 
     async def run(self, pending: Pending, choices: list[ChoiceState]) -> AsyncIterator[list]:
         """Feed engine events into the choices; yield each batch of (choice, event)."""
+        events = pending.events
+        assert events is not None, "a request of this process has its queue"
         try:
             while True:
-                item = await pending.events.get()
+                item = await events.get()
                 if item is DONE:
                     return
                 if isinstance(item, Exception):
@@ -175,7 +183,7 @@ class ModelServer:
                     choices[choice_index].add(ev)
                 yield item
         finally:
-            pending.cancelled = True
+            pending.cancel()
 
     # ---- engine results → response bodies --------------------------------------------------
 
@@ -229,8 +237,11 @@ def _sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
-    server = ModelServer(engine, settings)
+def create_serve_app(engine: RolloutEngine | EngineFace, settings: ServeSettings,
+                     batcher: Batcher | RemoteBatcher | None = None) -> FastAPI:
+    """The app over ``engine``; with an engine process, its ``EngineFace`` and ``RemoteBatcher``
+    (``serve.engine_process.start_engine_process``)."""
+    server = ModelServer(engine, settings, batcher)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -287,6 +298,8 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
     @app.get("/health")
     @app.get("/healthz")
     async def health():
+        if not server.batcher.alive:
+            return JSONResponse({"status": "engine process exited"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -300,17 +313,15 @@ def create_serve_app(engine: RolloutEngine, settings: ServeSettings) -> FastAPI:
         """rollmarket extension: what numerics this server runs, for manifests and reports."""
         info = engine.info
         return {"model": server.name, "engine_name": engine.name, "precision": engine.precision.value,
-                "quantization": engine.precision.quantization, "device": str(engine.loaded.device),
+                "quantization": engine.precision.quantization, "device": engine.device,
                 "engine_fingerprint": await asyncio.to_thread(engine.fingerprint),
                 "checkpoint_digest": info.checkpoint_digest, "tokenizer_hash": info.tokenizer_hash,
                 "model_config_hash": info.model_config_hash, "architecture": info.architecture,
                 "moe_layers": info.num_moe_layers, "num_experts": info.num_experts, "top_k": info.top_k,
                 "max_context_tokens": info.max_context_tokens,
                 "kv_cache": engine.kv, "decode_graphs": engine.graphs,
-                "batches": server.batcher.batches, "sequences": server.batcher.sequences,
-                "largest_batch": server.batcher.largest_batch, "decode_steps": server.batcher.steps,
-                "decode_seconds": server.batcher.step_seconds, "prefill_seconds": server.batcher.prefill_seconds,
-                "queue_seconds": server.batcher.queue_seconds}
+                "engine_process": not isinstance(engine, RolloutEngine), "engine_pid": server.batcher.pid,
+                **await server.batcher.read_counters()}
 
     @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest), responses=_ERRORS)
     async def tokenize(request: Request):

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engines import RolloutEngine, SamplingParams, StepEvent
@@ -53,8 +55,9 @@ class Pending:
     prompt_ids: list[int]
     params: SamplingParams
     n: int
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None
+    """The event loop that reads ``events``; None on the engine process's side (``engine_process``)."""
+    events: asyncio.Queue | None
     stream: bool = True
     """Hand each step over as it comes; otherwise everything at once when the request ends."""
     cancelled: bool = False
@@ -65,12 +68,20 @@ class Pending:
     """Decode-thread side: the batcher's step count when it took the request off its queue."""
     held: list = field(default_factory=list)
     """Decode-thread side: items not yet handed to the event loop."""
+    request_id: int = 0
+    """Names the request between the HTTP process and the engine process (``engine_process``)."""
+    on_cancel: Callable[[], None] | None = None
 
-    def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+    def cancel(self) -> None:
+        """The client went away or the request ended: its sequences leave the batch at the next step."""
+        if not self.cancelled:
+            self.cancelled = True
+            if self.on_cancel is not None:
+                self.on_cancel()
 
 
-def _deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
+def deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
+    """Event-loop side: put each batch's items on its request's queue."""
     for events, batch in items:
         for item in batch:
             events.put_nowait(item)
@@ -94,6 +105,8 @@ class Batcher:
         self.sequences = 0
         self.largest_batch = 0
         """Most sequences decoded in one step."""
+        self.running = 0
+        """Sequences in the batch now."""
         # Where the decode thread's wall time goes (cumulative; /v1/engine reports them, the
         # throughput benchmark takes differences per burst to split HTTP's cost from the engine's).
         self.steps = 0
@@ -112,11 +125,44 @@ class Batcher:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the decode loop can take requests (an engine process can die; this thread does not)."""
+        return True
+
+    @property
+    def pid(self) -> int | None:
+        """The process whose thread decodes: this one."""
+        return os.getpid()
+
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int, *, stream: bool = True) -> Pending:
         loop = asyncio.get_running_loop()
         pending = Pending(prompt_ids, params, n, loop, asyncio.Queue(), stream=stream)
-        self._queue.put(pending)
+        self.enqueue(pending)
         return pending
+
+    def enqueue(self, pending: Pending) -> None:
+        self._queue.put(pending)
+
+    def counters(self) -> dict[str, float]:
+        """Where the decode loop's time went so far (cumulative), as /v1/engine reports it."""
+        return {"batches": self.batches, "sequences": self.sequences, "largest_batch": self.largest_batch,
+                "running": self.running,
+                "decode_steps": self.steps, "decode_seconds": self.step_seconds,
+                "prefill_seconds": self.prefill_seconds, "queue_seconds": self.queue_seconds}
+
+    async def read_counters(self) -> dict[str, float]:
+        return self.counters()
+
+    def hand_over(self, items: list[tuple[Pending, list]]) -> None:
+        """Pass each request's new items (lists of (choice, StepEvent), an exception, DONE) to the
+        event loops that read them: one ``call_soon_threadsafe`` per loop for the whole step."""
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for pending, batch in items:
+            assert pending.loop is not None and pending.events is not None
+            by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
+        for loop, grouped in by_loop.values():
+            loop.call_soon_threadsafe(deliver, grouped)
 
     def _admissible(self, running: int) -> list[Pending]:
         """The waiting requests that join the batch of ``running`` sequences now (``join_now``);
@@ -196,6 +242,7 @@ class Batcher:
         session = self.engine.session()
         owners: dict[int, tuple[Pending, int]] = {}
         while True:
+            self.running = len(session)
             joining = self._admissible(len(session))
             if self._stopping and not joining and not session:
                 return
@@ -207,13 +254,9 @@ class Batcher:
                 self._step(session, owners)
             except Exception as exc:  # one bad batch must not take the server down
                 log.exception("decode step failed")
-                for pending in {id(p): p for p, _ in owners.values()}.values():
-                    pending.put(exc)
-                    pending.put(DONE)
-                for pending in joining:
-                    if pending.running == 0:
-                        pending.put(exc)
-                        pending.put(DONE)
+                failed = list({id(p): p for p, _ in owners.values()}.values())
+                failed += [pending for pending in joining if pending.running == 0]
+                self.hand_over([(pending, [exc, DONE]) for pending in failed])
                 owners.clear()
                 session = self.engine.session()
 
@@ -264,7 +307,7 @@ class Batcher:
             if ev.finish_reason is not None:
                 owners.pop(ev.index)
                 pending.running -= 1
-        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        ready: list[tuple[Pending, list]] = []
         for pending in touched.values():
             finished = pending.running == 0
             if not (pending.stream or finished):
@@ -273,6 +316,6 @@ class Batcher:
             pending.held = []
             if finished:
                 batch.append(DONE)
-            by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
-        for loop, items in by_loop.values():
-            loop.call_soon_threadsafe(_deliver, items)
+            ready.append((pending, batch))
+        if ready:
+            self.hand_over(ready)

@@ -28,6 +28,10 @@ class ServeSettings(BaseModel):
         None, description="Replay decode steps as CUDA graphs (slots only). Default: on CUDA for models without "
                           "MoE routers.")
     max_batch_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one batch.")
+    engine_process: bool = Field(
+        False, description="Run the model and its decode loop in a process of their own, beside the HTTP "
+                           "process (which keeps the tokenizer): steps and requests stop taking turns on one "
+                           "interpreter lock.")
     batch_window_ms: float = Field(
         5.0, ge=0, description="How long an idle server waits after the latest request for more (at most 8 windows "
                                "in all) before the first prefill.")

@@ -1,0 +1,317 @@
+"""The decode loop in a process of its own (`serve-model --engine-process`).
+
+In one process the decode thread and the HTTP event loop share one interpreter lock: while a
+step's Python runs (an eager MoE step is nearly all host time) requests wait to be parsed and
+answered, and while the event loop works the next step waits. vLLM's V1 splits its server the same
+way (an API server process and an engine-core process). Here the HTTP process keeps the tokenizer,
+the chat template and the detokenizer; the engine process loads the weights and runs the same
+``Batcher``. They talk over one ``multiprocessing`` pipe (pickled tuples):
+
+- HTTP → engine: ``("submit", id, prompt_ids, params, n, stream)``, ``("cancel", id)``,
+  ``("ask", token, what)`` (``counters`` or ``fingerprint``), ``("stop",)``.
+- engine → HTTP: ``("ready", EngineFacts)`` or ``("failed", kind, message)`` once, at start;
+  ``("out", [(id, items), ...])`` once per step for every request with news; ``("answer", token, value)``.
+
+``items`` are what the in-process batcher hands its event loop — lists of (choice, StepEvent) —
+with ``None`` for DONE and a string for a failed generation. When the engine process dies the
+HTTP process fails what was in flight, answers 503 to new requests and to /health; when the HTTP
+process dies the engine process reads the end of the pipe and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import multiprocessing as mp
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from ..engines import ModelInfo, Precision, RolloutEngine, SamplingParams
+from ..engines.loading import load_model, load_tokenizer
+from ..engines.rollout import encode_chat
+from .batcher import DONE, Batcher, Pending, deliver
+from .protocol import OpenAIError
+from .settings import ServeSettings
+
+START_TIMEOUT_S = 1800.0
+"""Loading a large checkpoint (and capturing its first graphs) can take minutes."""
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process could not start. ``settings``: the engine refused the settings (a KV cache
+    or graphs the model or device cannot have), not a failed load."""
+
+    def __init__(self, message: str, *, settings: bool = False):
+        super().__init__(message)
+        self.settings = settings
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the HTTP process needs to know of the engine (/v1/models, /v1/engine)."""
+
+    info: ModelInfo
+    name: str
+    precision: Precision
+    kv: str
+    graphs: bool
+    device: str
+
+
+class EngineFace:
+    """The HTTP process's stand-in for the engine: its facts and tokenizer, no weights."""
+
+    def __init__(self, facts: EngineFacts, tokenizer: Any, batcher: "RemoteBatcher"):
+        self.info, self.name, self.precision = facts.info, facts.name, facts.precision
+        self.kv, self.graphs, self.device = facts.kv, facts.graphs, facts.device
+        self.tokenizer = tokenizer
+        self._batcher = batcher
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, messages, tools)
+
+    def fingerprint(self) -> str:
+        return str(self._batcher.ask("fingerprint"))
+
+
+def _gone(why: str) -> OpenAIError:
+    return OpenAIError(f"the engine process exited ({why})", status=503, type_="server_error",
+                       code="engine_unavailable")
+
+
+class RemoteBatcher:
+    """The HTTP process's side of the pipe, with the ``Batcher`` surface the app uses."""
+
+    def __init__(self, process: BaseProcess, conn: Connection):
+        self._process, self._conn = process, conn
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Pending] = {}
+        self._answers: dict[int, tuple[threading.Event, list]] = {}
+        self._gone: str | None = None
+        self._reader = threading.Thread(target=self._read, name="rollmarket-engine-pipe", daemon=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._gone is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self) -> None:
+        if self._gone is None:
+            try:
+                self._send(("stop",))
+            except OSError:
+                pass
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=10)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int, *, stream: bool = True) -> Pending:
+        if self._gone is not None:
+            raise _gone(self._gone)
+        rid = next(self._ids)
+        pending = Pending(prompt_ids, params, n, asyncio.get_running_loop(), asyncio.Queue(), stream=stream,
+                          request_id=rid, on_cancel=lambda: self._cancel(rid))
+        self._pending[rid] = pending
+        self._send(("submit", rid, prompt_ids, params, n, stream))
+        return pending
+
+    def _cancel(self, rid: int) -> None:
+        if self._pending.pop(rid, None) is not None and self._gone is None:
+            self._send(("cancel", rid))
+
+    def ask(self, what: str, timeout: float = 600.0) -> Any:
+        """The engine process's answer to ``what`` (``counters``, ``fingerprint``); blocks."""
+        if self._gone is not None:
+            raise _gone(self._gone)
+        token = next(self._ids)
+        answered, box = threading.Event(), list[Any]()
+        self._answers[token] = (answered, box)
+        self._send(("ask", token, what))
+        if not answered.wait(timeout) or not box:
+            self._answers.pop(token, None)
+            raise _gone(self._gone or f"no answer to {what!r} in {timeout:.0f}s")
+        return box[0]
+
+    async def read_counters(self) -> dict[str, float]:
+        return await asyncio.to_thread(self.ask, "counters")
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "out":
+                    self._hand_over(message[1])
+                elif message[0] == "answer":
+                    waiter = self._answers.pop(message[1], None)
+                    if waiter is not None:
+                        waiter[1].append(message[2])
+                        waiter[0].set()
+        except (EOFError, OSError):
+            pass
+        self._process.join(timeout=5)
+        self._gone = f"exit code {self._process.exitcode}"
+        # Everything in flight fails now, in the shape a failed decode step has.
+        failed = RuntimeError(f"the engine process exited ({self._gone})")
+        pendings, self._pending = self._pending, {}
+        self._deliver([(pending, [failed, DONE]) for pending in pendings.values()])
+        for answered, _box in list(self._answers.values()):
+            answered.set()
+
+    def _hand_over(self, out: list[tuple[int, list]]) -> None:
+        ready: list[tuple[Pending, list]] = []
+        for rid, items in out:
+            pending = self._pending.get(rid)
+            if pending is None:
+                continue  # cancelled here while its last step was on the way
+            batch: list = []
+            for item in items:
+                if item is None:
+                    batch.append(DONE)
+                    self._pending.pop(rid, None)
+                elif isinstance(item, str):
+                    batch.append(RuntimeError(item))
+                else:
+                    batch.append(item)
+            ready.append((pending, batch))
+        self._deliver(ready)
+
+    @staticmethod
+    def _deliver(ready: list[tuple[Pending, list]]) -> None:
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+        for pending, batch in ready:
+            assert pending.loop is not None and pending.events is not None
+            by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
+        for loop, grouped in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(deliver, grouped)
+            except RuntimeError:
+                pass  # the server is shutting down: its loop is closed
+
+
+class _PipeBatcher(Batcher):
+    """The engine process's batcher: hands each step's news to the pipe, not to an event loop."""
+
+    def __init__(self, engine: RolloutEngine, send, **kw):
+        super().__init__(engine, **kw)
+        self._send = send
+        self.requests: dict[int, Pending] = {}
+
+    def hand_over(self, items: list[tuple[Pending, list]]) -> None:
+        out = []
+        for pending, batch in items:
+            wire: list = []
+            for item in batch:
+                if item is DONE:
+                    wire.append(None)
+                    self.requests.pop(pending.request_id, None)
+                elif isinstance(item, BaseException):
+                    wire.append(str(item))
+                else:
+                    wire.append(item)
+            out.append((pending.request_id, wire))
+        self._send(("out", out))
+
+
+def engine_main(settings_json: str, conn: Connection) -> None:
+    """The engine process: load the model, say ready, run the batcher until told to stop or the
+    HTTP process is gone."""
+    settings = ServeSettings.model_validate_json(settings_json)
+    try:
+        if settings.threads:
+            import torch
+
+            torch.set_num_threads(settings.threads)
+        loaded = load_model(settings.model_path, settings.precision, settings.device)
+        engine = RolloutEngine(loaded, kv=settings.kv_cache, graphs=settings.decode_graphs)
+    except ValueError as exc:  # the engine refuses the settings (slots for a sliding window, graphs on CPU)
+        conn.send(("failed", "settings", str(exc)))
+        return
+    except Exception as exc:
+        conn.send(("failed", "load", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", EngineFacts(info=engine.info, name=engine.name, precision=engine.precision,
+                                    kv=engine.kv, graphs=engine.graphs, device=engine.device)))
+    gc.collect()
+    gc.freeze()  # as serve-model does: full collections would walk torch's long-lived objects
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:
+            conn.send(message)
+
+    batcher = _PipeBatcher(engine, send, max_seqs=settings.max_batch_seqs,
+                           window_s=settings.batch_window_ms / 1000.0, profile_path=settings.profile_decode)
+    batcher.start()
+
+    def answer(token: int, what: str) -> None:
+        value: Any = batcher.counters() if what == "counters" else engine.fingerprint()
+        send(("answer", token, value))
+
+    try:
+        while True:
+            message = conn.recv()
+            kind = message[0]
+            if kind == "submit":
+                _, rid, prompt_ids, params, n, stream = message
+                pending = Pending(prompt_ids, params, n, None, None, stream=stream, request_id=rid)
+                batcher.requests[rid] = pending
+                batcher.enqueue(pending)
+            elif kind == "cancel":
+                cancelled = batcher.requests.pop(message[1], None)
+                if cancelled is not None:
+                    cancelled.cancel()
+            elif kind == "ask":
+                # Its own thread: a fingerprint takes seconds, and submissions must not wait on it.
+                threading.Thread(target=answer, args=message[1:], daemon=True).start()
+            elif kind == "stop":
+                break
+    except (EOFError, OSError):
+        pass  # the HTTP process is gone
+    finally:
+        batcher.stop()
+
+
+def start_engine_process(settings: ServeSettings, *, timeout_s: float = START_TIMEOUT_S
+                         ) -> tuple[EngineFace, RemoteBatcher]:
+    """Spawn the engine process for ``settings`` and wait until its model is loaded. Its batcher
+    is started with the app (``create_serve_app(face, settings, batcher)``)."""
+    context = mp.get_context("spawn")  # CUDA does not survive a fork
+    ours, theirs = context.Pipe()
+    process = context.Process(target=engine_main, args=(settings.model_dump_json(), theirs),
+                              name="rollmarket-engine")
+    process.start()
+    theirs.close()
+    waited = 0.0
+    while not ours.poll(0.5):
+        waited += 0.5
+        if not process.is_alive():
+            raise EngineProcessError(f"the engine process exited while loading (exit code {process.exitcode})")
+        if waited > timeout_s:
+            process.terminate()
+            raise EngineProcessError(f"the engine process did not load the model in {timeout_s:.0f}s")
+    try:
+        message = ours.recv()
+    except EOFError:
+        process.join(timeout=10)
+        raise EngineProcessError(f"the engine process exited while loading (exit code {process.exitcode})") from None
+    if message[0] == "failed":
+        process.join(timeout=10)
+        raise EngineProcessError(message[2], settings=message[1] == "settings")
+    batcher = RemoteBatcher(process, ours)
+    return EngineFace(message[1], load_tokenizer(settings.model_path), batcher), batcher

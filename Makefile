@@ -58,8 +58,11 @@ postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
 
+# Two workers (the box has two cores); a module's tests stay on one worker, so its module fixtures
+# (servers, clusters) start once. TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
 test: venv-test vllm browser sandbox postgres lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 lint: venv-test
 	$(BIN)/ruff check src tests benchmarks experiments docs

@@ -14,6 +14,19 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 from helpers import ExchangeProcess  # noqa: E402
 
+LONGEST_FIRST = ("test_vllm_reload", "test_fuzz", "test_train_resume", "test_demo", "test_vllm", "test_campaign",
+                 "test_packaging", "test_vllm_observe", "test_train_ranks", "test_worker", "test_evals",
+                 "test_ray_pool", "test_serve_engine_process", "test_crash", "test_decode_slots", "test_collect",
+                 "test_train_loop", "test_replicas")
+"""The modules that take longest (a `--durations` run of the whole suite), longest first. `make test`
+spreads modules over two workers (`-n 2 --dist loadfile`), which take them in collection order: the
+long ones go first, so that no worker is left with one of them at the end while the other idles."""
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture
 def start_exchange(tmp_path):

@@ -62,7 +62,7 @@ postgres:
 # (servers, clusters) start once. TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 test: venv-test vllm browser sandbox postgres lint
-	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 lint: venv-test
 	$(BIN)/ruff check src tests benchmarks experiments docs

@@ -49,6 +49,8 @@ BENCHMARKS=(
   "serve_throughput-process|330|benchmarks/serve_throughput.py --device cuda --repeats 3 --engine-process"
   "serve_throughput-clients-process|330|benchmarks/serve_throughput.py --device cuda --repeats 3 --clients 4 --engine-process"
   "serve_sustained|540|benchmarks/serve_sustained.py --device cuda"
+  "serve_batcher|200|benchmarks/serve_batcher.py --device cuda"
+  "serve_sustained-moe|240|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread"
   "serve_throughput-long|200|benchmarks/serve_throughput.py --device cuda --repeats 3 --model models/tiny-dense --shape none --max-tokens 256"
   "sampler_cpu|40|benchmarks/sampler_cpu.py --device cuda"
   "serve_profile|150|benchmarks/serve_profile.py --device cuda"

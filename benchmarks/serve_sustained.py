@@ -49,8 +49,12 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from serve_profile import _top  # noqa: E402
 from serve_throughput import (MESSAGES, _device_name, _start_server, add_server_arguments,  # noqa: E402
                               materialise, models_and_shapes)
+
+PROFILE_LINES = 30
+"""Functions kept per profile (``--profile``), by own time."""
 
 console = Console(width=max(Console().width, 150))
 
@@ -102,7 +106,9 @@ def _queues(sizes: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
 
 
 def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process: bool) -> dict:
-    proc, url = _start_server(model, args, log, ("--engine-process",) if engine_process else ())
+    profile = str(log.with_suffix(".prof")) if args.profile else None
+    proc, url = _start_server(model, args, log, (*(("--engine-process",) if engine_process else ()),
+                                                 *(("--profile-decode", profile) if profile else ())))
     pool = multiprocessing.get_context("spawn").Pool(args.clients, initializer=_child_start, initargs=(url,))
     try:
         queues = _queues(sizes, args.concurrency)
@@ -120,16 +126,18 @@ def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process
 
         run()  # warm-up: graphs of every batch size the loop passes through
         runs = [run() for _ in range(args.repeats)]
+        lifetime = httpx.get(url + "/v1/engine", timeout=60).json()  # the profile covers the server's whole life
     finally:
         pool.terminate()
-        proc.terminate()
-        proc.wait(30)
+        proc.terminate()  # uvicorn's shutdown stops the batcher, which writes the profile
+        proc.wait(60)
     rates = [tokens / wall for wall, tokens, _, _ in runs]
     mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
     wall, tokens, cpu, delta = runs[mid]
     return {"model": model.name, "path": "http-process" if engine_process else "http", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
             "wall_s": wall, "tokens": tokens, "clients": args.clients,
             "client_cpu_ms_per_request": 1000 * cpu / len(sizes),
+            **({"profile": _top(profile, PROFILE_LINES), "profile_steps": lifetime["decode_steps"]} if profile else {}),
             # How full the server kept its batch: tokens per decode step (a step decodes every running row).
             "mean_batch": tokens / max(delta["decode_steps"], 1),
             "server_step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),
@@ -163,6 +171,7 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
         make_ready(args.concurrency, 0)
         session = engine.session()
         tokens = steps = prefills = 0
+        stepping = 0.0  # wall time inside session.step(), as the server's decode_seconds counts it
         sync()
         started = time.perf_counter()
         while ready or session:
@@ -173,18 +182,31 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
                 session.add([prompt] * len(joining), [SamplingParams(temperature=1.0, max_tokens=n, seed=i,
                                                                      ignore_eos=True) for i, n, _ in joining])
                 prefills += 1
+            before = time.perf_counter()
             events = session.step()
+            stepping += time.perf_counter() - before
             steps += 1
             tokens += len(events)
             make_ready(sum(ev.finish_reason is not None for ev in events), steps)
         sync()
-        return time.perf_counter() - started, tokens, steps, prefills
+        return time.perf_counter() - started, tokens, steps, prefills, stepping
 
     run()
+    if args.profile:  # the measured runs under cProfile, as serve-model --profile-decode runs its decode thread
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     runs = [run() for _ in range(args.repeats)]
-    rates = [tokens / wall for wall, tokens, _, _ in runs]
+    profiled = {}
+    if args.profile:
+        profiler.disable()
+        out = Path(tempfile.mkdtemp()) / "engine.prof"
+        profiler.dump_stats(out)
+        profiled = {"profile": _top(str(out), PROFILE_LINES), "profile_steps": sum(r[2] for r in runs)}
+    rates = [tokens / wall for wall, tokens, _, _, _ in runs]
     mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
-    wall, tokens, steps, prefills = runs[mid]
+    wall, tokens, steps, prefills, stepping = runs[mid]
     assert tokens == sum(sizes), (tokens, sum(sizes))
     captures = sum(store.captures for store in engine._idle_slots)
     engine = None
@@ -192,7 +214,8 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
         torch.cuda.empty_cache()
     return {"model": model.name, "path": "engine", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
             "wall_s": wall, "tokens": tokens, "mean_batch": tokens / steps, "prefills": prefills,
-            "step_ms": 1000 * wall / steps, "graph_captures": captures}
+            "step_ms": 1000 * wall / steps, "step_only_ms": 1000 * stepping / steps, "graph_captures": captures,
+            **profiled}
 
 
 def main() -> None:
@@ -202,6 +225,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="Requests per run; default 8 per stream.")
     parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
     parser.add_argument("--clients", type=int, default=4, help="Client processes the streams are split over.")
+    parser.add_argument("--profile", action="store_true",
+                        help="Run the server's decode thread (serve-model --profile-decode) and the engine's measured "
+                             "runs under cProfile; their top functions go into the results.")
     parser.add_argument("--servers", default="thread,process",
                         help="Which serve-model to measure: thread (decodes in the HTTP process), process "
                              "(--engine-process), or both.")
@@ -252,7 +278,7 @@ def main() -> None:
         http = row["path"].startswith("http")
         table.add_row(row["model"], row["path"], f"{row['tokens_per_s']:.1f}",
                       f"{row['over_engine']:.2f}" if http else "-", f"{row['mean_batch']:.1f}",
-                      f"{row['server_step_ms' if http else 'step_ms']:.2f}", str(row["prefills"]),
+                      f"{row['server_step_ms' if http else 'step_only_ms']:.2f}", str(row["prefills"]),
                       f"{row['client_cpu_ms_per_request']:.2f}" if http else "-")
     console.print(table)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),

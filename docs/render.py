@@ -545,6 +545,35 @@ def _():
             + "; ".join(verdicts) + ".")
 
 
+SERVE_BATCHER = "benchmarks/results/serve_batcher-cuda.json"
+SERVE_SUSTAINED_MOE = "benchmarks/results/serve_sustained-moe-cuda.json"
+
+
+@block("serve-batcher")
+def _():
+    """tiny-moe's decode step: the engine alone, the server's Batcher in-process, the server over HTTP."""
+    sustained = load(SERVE_SUSTAINED_MOE)
+    by = {r["path"]: r for r in sustained["results"]}
+    batcher = load(SERVE_BATCHER)
+    plain = batcher["results"][0]
+    rows = [["engine alone (`DecodeSession`, closed loop)", n(by["engine"]["tokens_per_s"]),
+             n(by["engine"]["step_only_ms"], 2), "`serve_sustained.py`"],
+            ["serve-model over HTTP (decoding in its HTTP process)", n(by["http"]["tokens_per_s"]),
+             n(by["http"]["server_step_ms"], 2), "`serve_sustained.py`"]]
+    rows += [[f"the server's `Batcher` in-process, {r['condition']}", n(r["tokens_per_s"]), n(r["step_ms"], 2),
+              "`serve_batcher.py`"] for r in batcher["results"]]
+    busiest = max((r for r in batcher["results"] if r["busy_share"]), key=lambda r: r["busy_share"])
+    return (provenance(SERVE_SUSTAINED_MOE, sustained["meta"]) + "\n\n" + provenance(SERVE_BATCHER, batcher["meta"])
+            + f" The Batcher: one measured run per condition after a warm-up run; serve_sustained: the median of "
+            f"{len(by['http']['tokens_per_s_runs'])} runs. Both: {batcher['meta']['requests']} requests of "
+            f"{batcher['meta']['max_tokens'] // 2}–{3 * batcher['meta']['max_tokens'] // 2} tokens, "
+            f"{batcher['meta']['concurrency']} streams.\n\n"
+            + table(["tiny-moe, bf16", "tokens/s", "decode step ms", "from"], list("lrrl"), rows)
+            + f"\n\nThe server's step over HTTP is {times(by['http']['server_step_ms'] / plain['step_ms'])} the "
+            f"in-process Batcher's; a thread holding the interpreter {busiest['busy_share']:.0%} of the time makes "
+            f"the Batcher's step {times(busiest['step_ms'] / plain['step_ms'])} its plain one.")
+
+
 SAMPLER = "benchmarks/results/sampler_cpu.json"
 SAMPLER_CUDA = "benchmarks/results/sampler_cpu-cuda.json"
 

@@ -515,7 +515,7 @@ def test_profile_cli_writes_the_report_next_to_the_input(tmp_path: Path):
     path.write_text("".join(r.model_dump_json() + "\n" for r in runs))
     code = "import sys; from rollmarket.cli.profile import profile; profile(sys.argv[1:])"
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
-                          env={"COLUMNS": "200", **__import__("os").environ})
+                          env={**__import__("os").environ, "COLUMNS": "200"})  # wide: the path must not wrap
     assert done.returncode == 0, done.stderr
     out = tmp_path / "rollouts.profile.json"
     assert "rollouts.profile.json" in done.stdout and "pass@4" in done.stdout

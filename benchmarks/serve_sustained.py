@@ -107,8 +107,12 @@ def _queues(sizes: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
 
 def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process: bool) -> dict:
     profile = str(log.with_suffix(".prof")) if args.profile else None
+    # The server's profile starts past the warm-up run (a run is about sum(sizes)/concurrency steps
+    # when the batch is full; twice that leaves out the warm-up's captures and compiles for sure).
+    skip = 2 * sum(sizes) // args.concurrency
     proc, url = _start_server(model, args, log, (*(("--engine-process",) if engine_process else ()),
-                                                 *(("--profile-decode", profile) if profile else ())))
+                                                 *(("--profile-decode", profile, "--profile-decode-after-steps",
+                                                    str(skip)) if profile else ())))
     pool = multiprocessing.get_context("spawn").Pool(args.clients, initializer=_child_start, initargs=(url,))
     try:
         queues = _queues(sizes, args.concurrency)
@@ -137,7 +141,7 @@ def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process
     return {"model": model.name, "path": "http-process" if engine_process else "http", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
             "wall_s": wall, "tokens": tokens, "clients": args.clients,
             "client_cpu_ms_per_request": 1000 * cpu / len(sizes),
-            **({"profile": _top(profile, PROFILE_LINES), "profile_steps": lifetime["decode_steps"]} if profile else {}),
+            **({"profile": _top(profile, PROFILE_LINES), "profile_steps": lifetime["decode_steps"] - skip} if profile else {}),
             # How full the server kept its batch: tokens per decode step (a step decodes every running row).
             "mean_batch": tokens / max(delta["decode_steps"], 1),
             "server_step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),

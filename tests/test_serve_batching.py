@@ -220,13 +220,12 @@ def test_requests_arriving_beside_a_busy_batch_join_it_in_one_prefill(engine):
     assert batcher.batches == 2 and batcher.largest_batch == 23
 
 
-def test_the_decode_thread_can_write_its_profile(engine, tmp_path):
-    """``profile_path`` (serve-model --profile-decode): when the batcher stops, the decode thread's
-    cProfile statistics are on disk, and they are the decode loop's (its step and the engine's)."""
+def _profiled_steps(engine, out, after: int) -> tuple[int, int]:
+    """Decode a 6-token request through a batcher that profiles from its ``after``-th step: (steps it
+    ran, calls of ``_decode`` in the profile)."""
     import pstats
 
-    out = tmp_path / "decode.prof"
-    batcher = Batcher(engine, max_seqs=4, window_s=0, profile_path=str(out))
+    batcher = Batcher(engine, max_seqs=4, window_s=0, profile_path=str(out), profile_after_steps=after)
     batcher.start()
 
     async def run():
@@ -240,5 +239,18 @@ def test_the_decode_thread_can_write_its_profile(engine, tmp_path):
     finally:
         batcher.stop()
     assert not batcher._thread.is_alive()
-    functions = {name for (_, _, name) in pstats.Stats(str(out)).stats}
+    stats = pstats.Stats(str(out)).stats
+    functions = {name for (_, _, name) in stats}
     assert {"_decode", "step"} <= functions, sorted(functions)[:20]
+    [decode] = [value for (_, _, name), value in stats.items() if name == "_decode"]
+    return batcher.steps, decode[1]
+
+
+def test_the_decode_thread_can_write_its_profile(engine, tmp_path):
+    """``profile_path`` (serve-model --profile-decode): when the batcher stops, the decode thread's
+    cProfile statistics are on disk, and they are the decode loop's (its step and the engine's);
+    ``profile_after_steps`` leaves that many steps (a warm-up) out."""
+    steps, profiled = _profiled_steps(engine, tmp_path / "all.prof", 0)
+    assert steps >= 4 and profiled == steps
+    later_steps, later = _profiled_steps(engine, tmp_path / "later.prof", 3)
+    assert later_steps == steps and later == steps - 3

@@ -99,7 +99,8 @@ class ModelServer:
         self.eos_ids = frozenset(engine.info.eos_token_ids)
         if batcher is None:  # an EngineFace always comes with its RemoteBatcher
             batcher = Batcher(engine, max_seqs=settings.max_batch_seqs, window_s=settings.batch_window_ms / 1000.0,
-                              profile_path=settings.profile_decode)
+                              profile_path=settings.profile_decode,
+                              profile_after_steps=settings.profile_decode_after_steps)
         self.batcher: Batcher | RemoteBatcher = batcher
         self.created = int(time.time())
         self.stored = StoredResponses(settings.responses_kept, settings.responses_db)

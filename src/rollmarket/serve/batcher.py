@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..engines import RolloutEngine, SamplingParams, StepEvent
 
@@ -89,10 +90,14 @@ def deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
 
 class Batcher:
     def __init__(self, engine: RolloutEngine, *, max_seqs: int = 32, window_s: float = 0.005,
-                 profile_path: str | None = None):
-        """``profile_path``: write cProfile statistics of the decode thread there when it stops."""
+                 profile_path: str | None = None, profile_after_steps: int = 0):
+        """``profile_path``: write cProfile statistics of the decode thread there when it stops,
+        from its ``profile_after_steps``-th decode step on (past a warm-up's one-time costs:
+        graph captures, kernel compiles, attention plans)."""
         self.engine = engine
         self.profile_path = profile_path
+        self.profile_after_steps = profile_after_steps
+        self._profile: Any = None
         self.max_seqs = max_seqs
         self.window_s = window_s
         self._queue: queue.Queue[Pending | None] = queue.Queue()
@@ -230,13 +235,17 @@ class Batcher:
             return self._serve()
         import cProfile
 
-        profile = cProfile.Profile()  # enabled in this thread: it sees the decode loop only
-        profile.enable()
+        self._profile = cProfile.Profile()  # enabled in this thread: it sees the decode loop only
+        self._profile_when_due()
         try:
             self._serve()
         finally:
-            profile.disable()
-            profile.dump_stats(self.profile_path)
+            self._profile.disable()
+            self._profile.dump_stats(self.profile_path)
+
+    def _profile_when_due(self) -> None:
+        if self._profile is not None and self.steps == self.profile_after_steps:
+            self._profile.enable()
 
     def _serve(self) -> None:
         session = self.engine.session()
@@ -284,6 +293,7 @@ class Batcher:
         self._decode(session, owners)
         self.steps += 1
         self.step_seconds += time.perf_counter() - started
+        self._profile_when_due()
 
     def _decode(self, session, owners: dict[int, tuple[Pending, int]]) -> None:
         cancelled = [r for r in session.rows if owners[r.index][0].cancelled]

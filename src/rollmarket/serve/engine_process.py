@@ -124,7 +124,11 @@ class RemoteBatcher:
         pending = Pending(prompt_ids, params, n, asyncio.get_running_loop(), asyncio.Queue(), stream=stream,
                           request_id=rid, on_cancel=lambda: self._cancel(rid))
         self._pending[rid] = pending
-        self._send(("submit", rid, prompt_ids, params, n, stream))
+        try:
+            self._send(("submit", rid, prompt_ids, params, n, stream))
+        except OSError:  # the engine process died since the check above; the reader will say so
+            self._pending.pop(rid, None)
+            raise _gone("its pipe closed") from None
         return pending
 
     def _cancel(self, rid: int) -> None:
@@ -256,7 +260,8 @@ def engine_main(settings_json: str, conn: Connection) -> None:
             conn.send(message)
 
     batcher = _PipeBatcher(engine, send, max_seqs=settings.max_batch_seqs,
-                           window_s=settings.batch_window_ms / 1000.0, profile_path=settings.profile_decode)
+                           window_s=settings.batch_window_ms / 1000.0, profile_path=settings.profile_decode,
+                           profile_after_steps=settings.profile_decode_after_steps)
     batcher.start()
 
     def answer(token: int, what: str) -> None:

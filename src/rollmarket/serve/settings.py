@@ -48,5 +48,8 @@ class ServeSettings(BaseModel):
     profile_decode: str | None = Field(
         None, description="Write cProfile statistics of the decode thread to this file when the server stops "
                           "(where a decode step's CPU time goes; read them with python -m pstats).")
+    profile_decode_after_steps: int = Field(
+        0, ge=0, description="Start --profile-decode's profile at this decode step, past a warm-up's one-time "
+                             "costs (graph captures, kernel compiles).")
     return_routed_experts: bool = Field(
         True, description="Return routed experts when a request asks (MoE models); off: the field is ignored.")

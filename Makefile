@@ -58,9 +58,9 @@ postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
 
-# Two workers (the box has two cores); a module's tests stay on one worker, so its module fixtures
+# Three workers on the two cores: many tests wait on servers and subprocesses; a module's tests stay on one worker, so its module fixtures
 # (servers, clusters) start once. TEST_WORKERS=0 runs them in this process, one after another.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: venv-test vllm browser sandbox postgres lint
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

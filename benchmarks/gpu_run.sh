@@ -49,11 +49,15 @@ BENCHMARKS=(
   "serve_throughput-process|330|benchmarks/serve_throughput.py --device cuda --repeats 3 --engine-process"
   "serve_throughput-clients-process|330|benchmarks/serve_throughput.py --device cuda --repeats 3 --clients 4 --engine-process"
   "serve_sustained|540|benchmarks/serve_sustained.py --device cuda"
+  "serve_sustained-streams|560|benchmarks/serve_sustained.py --device cuda --servers thread,process"
   "serve_batcher|200|benchmarks/serve_batcher.py --device cuda"
   "serve_sustained-moe|240|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread"
   "serve_throughput-long|200|benchmarks/serve_throughput.py --device cuda --repeats 3 --model models/tiny-dense --shape none --max-tokens 256"
   "sampler_cpu|40|benchmarks/sampler_cpu.py --device cuda"
   "serve_profile|150|benchmarks/serve_profile.py --device cuda"
+  "decode_shapes|200|benchmarks/decode_shapes.py --device cuda --profile --requests 128 --conditions exact,buckets"
+  "serve_sustained-moe-process|320|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread,process"
+  "serve_sustained-moe-buckets|320|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread,thread-exact"
   "decode_profile|200|benchmarks/decode_profile.py --device cuda --kv padded,slots,graphs"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other

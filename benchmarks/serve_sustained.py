@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import multiprocessing
 import os
@@ -105,12 +104,19 @@ def _queues(sizes: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
     return [[(i, sizes[i]) for i in range(s, len(sizes), concurrency)] for s in range(concurrency)]
 
 
-def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process: bool) -> dict:
+SERVERS = {"thread": ("http", ()), "process": ("http-process", ("--engine-process",)),
+           "thread-exact": ("http-exact", ("--no-step-buckets",))}
+"""``--servers``: the result's path and serve-model's options. ``thread-exact`` runs eager decode steps at
+their exact shapes (the default before ``--step-buckets``; docs/benchmarks.md, "New shapes")."""
+
+
+def bench_http(model: Path, sizes: list[int], args, log: Path, *, server: str) -> dict:
     profile = str(log.with_suffix(".prof")) if args.profile else None
     # The server's profile starts past the warm-up run (a run is about sum(sizes)/concurrency steps
     # when the batch is full; twice that leaves out the warm-up's captures and compiles for sure).
     skip = 2 * sum(sizes) // args.concurrency
-    proc, url = _start_server(model, args, log, (*(("--engine-process",) if engine_process else ()),
+    path, options = SERVERS[server]
+    proc, url = _start_server(model, args, log, (*options,
                                                  *(("--profile-decode", profile, "--profile-decode-after-steps",
                                                     str(skip)) if profile else ())))
     pool = multiprocessing.get_context("spawn").Pool(args.clients, initializer=_child_start, initargs=(url,))
@@ -138,7 +144,7 @@ def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process
     rates = [tokens / wall for wall, tokens, _, _ in runs]
     mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
     wall, tokens, cpu, delta = runs[mid]
-    return {"model": model.name, "path": "http-process" if engine_process else "http", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
+    return {"model": model.name, "path": path, "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
             "wall_s": wall, "tokens": tokens, "clients": args.clients,
             "client_cpu_ms_per_request": 1000 * cpu / len(sizes),
             **({"profile": _top(profile, PROFILE_LINES), "profile_steps": lifetime["decode_steps"] - skip} if profile else {}),
@@ -149,11 +155,47 @@ def bench_http(model: Path, sizes: list[int], args, log: Path, *, engine_process
             "prefills": delta["batches"], "queue_ms_mean": 1000 * delta["queue_seconds"] / len(sizes)}
 
 
+def closed_loop(engine, prompt: list[int], sizes: list[int], concurrency: int, step=None) -> tuple[int, int, int]:
+    """The HTTP streams' workload on one ``DecodeSession``, no HTTP: request i belongs to stream
+    i mod ``concurrency`` (as ``_queues`` deals them), a stream's next request is ready the step its
+    last one ends (its first at once), and ready requests join by the server's rule
+    (``serve.batcher.join_now``: a busy batch takes joiners in groups). ``step(session)`` runs one
+    decode step (default ``session.step()``; a caller times or profiles it there). Returns
+    (tokens, steps, prefills).
+
+    Each stream keeps its own queue, as over HTTP: a stream whose requests are done leaves, so the
+    batch thins out at the end as the server's does. (Until 2026-11-28 the next request in global
+    order took every freed row, which kept the engine's batch fuller at the end, 28.6 rows a step
+    against HTTP's 25.5 — a different workload.)"""
+    from rollmarket.engines import SamplingParams
+    from rollmarket.serve.batcher import join_now
+
+    step = step or (lambda session: session.step())
+    ready: deque[tuple[int, int]] = deque((i, 0) for i in range(min(concurrency, len(sizes))))  # (request, step)
+    request_of: dict[int, int] = {}  # row index -> request
+    session = engine.session()
+    tokens = steps = prefills = 0
+    while ready or session:
+        room = concurrency - len(session)
+        if ready and (not session or join_now(len(ready), room, len(session), concurrency, steps - ready[0][1])):
+            joining = [ready.popleft()[0] for _ in range(min(room, len(ready)))]
+            rows = session.add([prompt] * len(joining), [SamplingParams(temperature=1.0, max_tokens=sizes[i], seed=i,
+                                                                        ignore_eos=True) for i in joining])
+            request_of.update((row.index, i) for row, i in zip(rows, joining))
+            prefills += 1
+        events = step(session)
+        steps += 1
+        tokens += len(events)
+        for ev in events:
+            if ev.finish_reason is not None and (after := request_of.pop(ev.index) + concurrency) < len(sizes):
+                ready.append((after, steps))
+    return tokens, steps, prefills
+
+
 def bench_engine(model: Path, sizes: list[int], args) -> dict:
     import torch
 
-    from rollmarket.engines import RolloutEngine, SamplingParams
-    from rollmarket.serve.batcher import join_now
+    from rollmarket.engines import RolloutEngine
 
     engine = RolloutEngine.from_path(model, args.precision, args.device)
     prompt = engine.encode_chat(MESSAGES)
@@ -162,36 +204,19 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def run() -> tuple[float, int, int, int]:
-        # Closed loop: a request is ready when its stream's previous one ends (the first
-        # ``concurrency`` at once); ready ones join by the server's rule (``join_now``).
-        ready: deque[tuple[int, int, int]] = deque()  # (seed, length, step it became ready)
-        order = iter(enumerate(sizes))
-
-        def make_ready(count: int, step: int) -> None:
-            for seed, length in itertools.islice(order, count):
-                ready.append((seed, length, step))
-
-        make_ready(args.concurrency, 0)
-        session = engine.session()
-        tokens = steps = prefills = 0
+    def run() -> tuple[float, int, int, int, float]:
         stepping = 0.0  # wall time inside session.step(), as the server's decode_seconds counts it
-        sync()
-        started = time.perf_counter()
-        while ready or session:
-            room = args.concurrency - len(session)
-            if ready and (not session or join_now(len(ready), room, len(session), args.concurrency,
-                                                  steps - ready[0][2])):
-                joining = [ready.popleft() for _ in range(min(room, len(ready)))]
-                session.add([prompt] * len(joining), [SamplingParams(temperature=1.0, max_tokens=n, seed=i,
-                                                                     ignore_eos=True) for i, n, _ in joining])
-                prefills += 1
+
+        def timed(session):
+            nonlocal stepping
             before = time.perf_counter()
             events = session.step()
             stepping += time.perf_counter() - before
-            steps += 1
-            tokens += len(events)
-            make_ready(sum(ev.finish_reason is not None for ev in events), steps)
+            return events
+
+        sync()
+        started = time.perf_counter()
+        tokens, steps, prefills = closed_loop(engine, prompt, sizes, args.concurrency, timed)
         sync()
         return time.perf_counter() - started, tokens, steps, prefills, stepping
 
@@ -219,7 +244,7 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
     return {"model": model.name, "path": "engine", "tokens_per_s": rates[mid], "tokens_per_s_runs": rates,
             "wall_s": wall, "tokens": tokens, "mean_batch": tokens / steps, "prefills": prefills,
             "step_ms": 1000 * wall / steps, "step_only_ms": 1000 * stepping / steps, "graph_captures": captures,
-            **profiled}
+            "workload": "streams", **profiled}
 
 
 def main() -> None:
@@ -233,8 +258,8 @@ def main() -> None:
                         help="Run the server's decode thread (serve-model --profile-decode) and the engine's measured "
                              "runs under cProfile; their top functions go into the results.")
     parser.add_argument("--servers", default="thread,process",
-                        help="Which serve-model to measure: thread (decodes in the HTTP process), process "
-                             "(--engine-process), or both.")
+                        help="Which serve-model to measure, comma-separated: thread (decodes in the HTTP process), "
+                             "process (--engine-process), thread-exact (--no-step-buckets).")
     parser.add_argument("--repeats", type=int, default=3, help="Measured runs per path (the median is kept).")
     parser.add_argument("--out", type=Path, default=None,
                         help="Results as JSON; default benchmarks/results/serve_sustained[-cuda].json.")
@@ -243,17 +268,29 @@ def main() -> None:
     args.out = args.out or REPO / "benchmarks" / "results" / (
         "serve_sustained-cuda.json" if kind == "cuda" else "serve_sustained.json")
     args.requests = args.requests or 8 * args.concurrency
-    kinds = {"thread": False, "process": True}
-    try:
-        args.servers = [kinds[x] for x in args.servers.split(",") if x]
-    except KeyError as exc:
-        parser.error(f"--servers: {exc.args[0]!r} is neither thread nor process")
+    args.servers = [x for x in args.servers.split(",") if x]
+    if unknown := set(args.servers) - set(SERVERS):
+        parser.error(f"--servers: {sorted(unknown)} not among {sorted(SERVERS)}")
     args.batches = [args.concurrency]  # _start_server sizes the server's batch from it
     models, shapes = models_and_shapes(args)
     import torch
 
     sizes = lengths(args.requests, args.max_tokens)
     results: list[dict] = []
+
+    def write() -> None:  # after each model, so a run cut short keeps what it measured
+        meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
+                "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
+                "threads": args.threads or None, "batch_window_ms": args.batch_window_ms,
+                "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
+                "clients": args.clients, "servers": args.servers, "engine_workload": "streams",
+                "models": [str(m) for m in models[:len(models) - len(shapes)]],
+                "shapes": shapes, "command": " ".join(sys.argv)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        console.print(f"wrote {args.out}")
+
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes:
             models.append(materialise(shape, args, Path(tmp)))
@@ -261,9 +298,8 @@ def main() -> None:
             console.print(f"[bold]{model.name}[/] at {args.precision} on {args.device}: {args.requests} requests, "
                           f"{args.concurrency} in flight, {sum(sizes)} tokens")
             served = []
-            for engine_process in args.servers:
-                http = bench_http(model, sizes, args, Path(tmp) / f"{model.name}-{engine_process}.log",
-                                  engine_process=engine_process)
+            for server in args.servers:
+                http = bench_http(model, sizes, args, Path(tmp) / f"{model.name}-{server}.log", server=server)
                 console.print(f"  {http['path']:12} {http['tokens_per_s']:9.1f} tokens/s "
                               f"(mean batch {http['mean_batch']:.1f})")
                 served.append(http)
@@ -272,6 +308,7 @@ def main() -> None:
             for http in served:
                 http["over_engine"] = http["tokens_per_s"] / engine["tokens_per_s"]
             results += [*served, engine]
+            write()
 
     table = Table(title=f"serve-model under sustained load: {args.concurrency} streams, {args.requests} requests "
                         f"of {args.max_tokens // 2}–{3 * args.max_tokens // 2} tokens, {args.precision} on {args.device}")
@@ -285,16 +322,6 @@ def main() -> None:
                       f"{row['server_step_ms' if http else 'step_only_ms']:.2f}", str(row["prefills"]),
                       f"{row['client_cpu_ms_per_request']:.2f}" if http else "-")
     console.print(table)
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "device": args.device, "device_name": _device_name(args.device), "precision": args.precision,
-            "threads": args.threads or None, "batch_window_ms": args.batch_window_ms,
-            "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
-            "clients": args.clients, "servers": ["process" if x else "thread" for x in args.servers], "models": [str(m) for m in models[:len(models) - len(shapes)]],
-            "shapes": shapes, "command": " ".join(sys.argv)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    console.print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

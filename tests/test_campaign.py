@@ -173,6 +173,7 @@ def _part_way(out: Path):
     return (done, part) if done and part else None
 
 
+@pytest.mark.timeout(1200)  # its own waits outlast the suite's 300 s on a loaded box
 def test_a_campaign_killed_with_sigkill_resumes(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(CAMPAIGN)

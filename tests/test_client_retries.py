@@ -259,6 +259,7 @@ def test_a_worker_started_before_its_exchange_waits_then_works(tmp_path):
         server.stop()
 
 
+@pytest.mark.timeout(660)  # its own waits outlast the suite's 300 s on a loaded box
 def test_the_trainer_against_a_closed_port_waits_then_fails_in_one_line(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     result = subprocess.run(

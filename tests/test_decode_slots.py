@@ -69,13 +69,27 @@ def _same(slot_rows, padded_rows, atol: float) -> None:
             assert agree >= 0.99, agree
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
-def test_slots_decode_what_the_padded_cache_decodes(model):
+def test_slots_decode_what_the_padded_cache_decodes(model, buckets, monkeypatch):
     loaded = load_model(MODELS / model, "fp32")
-    slot_rows, store = _scenario(RolloutEngine(loaded, kv="slots"))
+    shapes = []
+    forward = SlotKV.forward
+
+    def spy(self, step_BC, columns_L, flags):
+        shapes.append((step_BC.shape[0], columns_L.shape[0]))
+        return forward(self, step_BC, columns_L, flags)
+
+    monkeypatch.setattr(SlotKV, "forward", spy)
+    slot_rows, store = _scenario(RolloutEngine(loaded, kv="slots", step_buckets=buckets))
     padded_rows, _ = _scenario(RolloutEngine(loaded, kv="padded"))
     _same(slot_rows, padded_rows, atol=3e-5)
     assert store is not None and store.captures == 0  # eager on the CPU
+    # Bucketed steps (padding rows and masked columns) run at powers of two, so few shapes repeat;
+    # exact ones at the rows' own batch and length.
+    powers = all(b & (b - 1) == 0 and l & (l - 1) == 0 and l >= MIN_WIDTH for b, l in shapes)
+    assert powers == buckets
+    assert (len(set(shapes)) <= 6) == buckets, sorted(set(shapes))
     # The joiners of slots 1, 3, 4 and 5 were done; the short prompt took the lowest free slot.
     assert slot_rows[-1].slot == 1 and slot_rows[2].finish is not None
 
@@ -103,6 +117,9 @@ def test_a_row_decodes_alone_what_it_decodes_in_a_slot_another_row_left():
 def test_engine_settings_are_checked():
     loaded = load_model(MODELS / "tiny-dense", "fp32")
     assert RolloutEngine(loaded).kv == "slots" and not RolloutEngine(loaded).graphs
+    # Bucketed eager steps: by default only on CUDA; never over the padded cache.
+    assert not RolloutEngine(loaded).step_buckets and RolloutEngine(loaded, step_buckets=True).step_buckets
+    assert not RolloutEngine(loaded, kv="padded", step_buckets=True).step_buckets
     with pytest.raises(ValueError, match="kv must be"):
         RolloutEngine(loaded, kv="paged")
     with pytest.raises(ValueError, match="CUDA"):
@@ -155,6 +172,7 @@ def test_graphed_slots_decode_what_the_padded_cache_decodes_on_cuda(model):
     loaded = load_model(MODELS / model, "fp32", "cuda")
     graphed = RolloutEngine(loaded)
     assert graphed.graphs == (model == "tiny-dense")  # MoE routers: eager slot steps
+    assert graphed.step_buckets  # on CUDA, eager steps too
     slot_rows, store = _scenario(graphed)
     padded_rows, _ = _scenario(RolloutEngine(loaded, kv="padded"))
     _same(slot_rows, padded_rows, atol=1e-4)

@@ -156,6 +156,7 @@ def _section(text: str, heading: str) -> str:
     return text[start:] if end == -1 else text[start:end]
 
 
+@pytest.mark.timeout(660)  # its own waits outlast the suite's 300 s on a loaded box
 def test_readme_first_quickstart_runs_as_pasted(tmp_path):
     """The README's first quickstart as a new user pastes it after `make demo`: a fresh shell whose
     PATH lacks the virtualenv runs the bash block (which puts .venv/bin on the PATH and waits for

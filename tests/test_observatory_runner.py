@@ -16,6 +16,7 @@ from rollmarket.observatory import layout
 
 REPO = Path(__file__).resolve().parents[1]
 MOE = REPO / "models" / "tiny-moe"
+pytestmark = pytest.mark.timeout(660)  # the module's observe run may take 600 s on a loaded box
 
 
 @pytest.fixture(scope="module")

@@ -166,3 +166,12 @@ def test_settings_the_engine_refuses_are_refused_before_serving(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode != 0
     assert "CUDA" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_engine_process_is_the_default_on_cuda_only():
+    from rollmarket.serve.settings import ServeSettings, wants_engine_process
+
+    unset = ServeSettings(model_path="m")
+    assert wants_engine_process(unset, "cuda") and not wants_engine_process(unset, "cpu")
+    off, on = ServeSettings(model_path="m", engine_process=False), ServeSettings(model_path="m", engine_process=True)
+    assert not wants_engine_process(off, "cuda") and wants_engine_process(on, "cpu")

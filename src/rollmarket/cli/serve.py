@@ -32,14 +32,14 @@ def serve_model(model_path: str, log_level: str, **values) -> None:
     import uvicorn
 
     from ..engines import RolloutEngine
-    from ..engines.loading import load_model
+    from ..engines.loading import load_model, resolve_device
     from ..serve import create_serve_app
     from ..serve.engine_process import EngineFace, EngineProcessError, RemoteBatcher, start_engine_process
+    from ..serve.settings import wants_engine_process
 
     engine: RolloutEngine | EngineFace
     batcher: RemoteBatcher | None = None
-    if settings.engine_process:
-
+    if wants_engine_process(settings, resolve_device(settings.device).type):
         try:
             with console.status(f"loading {model_path} at {settings.precision} in the engine process"):
                 engine, batcher = start_engine_process(settings)
@@ -56,7 +56,8 @@ def serve_model(model_path: str, log_level: str, **values) -> None:
         with console.status(f"loading {model_path} at {settings.precision}"):
             loaded = load_model(model_path, settings.precision, settings.device)
         try:
-            engine = RolloutEngine(loaded, kv=settings.kv_cache, graphs=settings.decode_graphs)
+            engine = RolloutEngine(loaded, kv=settings.kv_cache, graphs=settings.decode_graphs,
+                               step_buckets=settings.step_buckets)
         except ValueError as exc:  # slots for a sliding-window model, graphs without CUDA
             raise Refused(str(exc), GRAPHS_FIX, param_hint="--kv-cache/--decode-graphs") from None
     info = engine.info

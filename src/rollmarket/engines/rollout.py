@@ -94,11 +94,14 @@ class RolloutEngine:
 
     name = "rollmarket-hf"
 
-    def __init__(self, loaded: LoadedModel, *, kv: str = "auto", graphs: bool | None = None):
+    def __init__(self, loaded: LoadedModel, *, kv: str = "auto", graphs: bool | None = None,
+                 step_buckets: bool | None = None):
         """``kv``: the decode's KV cache, ``slots`` (fixed slots: fixed step shapes), ``padded``
         (transformers' DynamicCache, left-padded) or ``auto`` (slots where the model allows them).
         ``graphs``: replay slot decode steps as CUDA graphs; None = on CUDA for models without MoE
-        routers that are not FSDP-sharded (see ``slots``)."""
+        routers that are not FSDP-sharded (see ``slots``). ``step_buckets``: round eager slot
+        steps' batch and length up to powers of two, so that their shapes repeat; None = on CUDA
+        (``SlotKV``)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -125,6 +128,10 @@ class RolloutEngine:
             raise ValueError("CUDA graphs need a CUDA device")
         self.graphs = graphs and self.kv == "slots"
         """Whether slot decode steps are replayed as CUDA graphs."""
+        if step_buckets is None:
+            step_buckets = self.graphs or loaded.device.type == "cuda"
+        self.step_buckets = bool(step_buckets) and self.kv == "slots"
+        """Whether slot decode steps run at bucketed (batch, length) shapes (always when graphed)."""
         self.fused_draw = True
         """Slot steps draw each row's next token inside the step (the graph), from the logits it
         makes; off, the next step draws it (as the padded cache always does): a benchmark's knob."""
@@ -136,7 +143,8 @@ class RolloutEngine:
         """An empty slot store for a session: one a finished session gave back, or a new one."""
         if self._idle_slots:
             return self._idle_slots.pop().reuse()
-        return SlotKV(self.model, self.pad_id, graphs=self.graphs, cache_arg=self._cache_arg)
+        return SlotKV(self.model, self.pad_id, graphs=self.graphs, cache_arg=self._cache_arg,
+                      buckets=self.step_buckets)
 
     def give_back(self, store: SlotKV) -> None:
         """A session's store, empty again: kept for the next session when it holds graphs."""

@@ -123,11 +123,19 @@ class SlotCache:
 class SlotKV:
     """The slot store of a ``DecodeSession``: which row owns which slot, the cache, the graphs."""
 
-    def __init__(self, model: Any, pad_id: int, *, graphs: bool, cache_arg: str):
-        """``cache_arg``: the name the model's forward takes its cache by (``RolloutEngine``)."""
+    def __init__(self, model: Any, pad_id: int, *, graphs: bool, cache_arg: str, buckets: bool | None = None):
+        """``cache_arg``: the name the model's forward takes its cache by (``RolloutEngine``).
+        ``buckets``: round eager steps' (B, L) up to buckets too, as graphed ones are (None: with
+        graphs, or on CUDA). On CUDA a step whose shapes the process has not run yet costs far more
+        than a repeat (measured on tiny-moe: ~100 ms against ~12; docs/benchmarks.md, "New shapes"),
+        and a server's batch compositions depend on when requests arrive, so exact shapes keep
+        being new; on the CPU there is no such cost and padding rows would be extra work."""
         self.model = model
         self.pad_id = pad_id
         self.graphs_wanted = graphs
+        if buckets is None:
+            buckets = graphs or next(model.parameters()).device.type == "cuda"
+        self.buckets = buckets
         config = model.config
         self._config = (config.num_hidden_layers, config.num_key_value_heads,
                         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -216,7 +224,7 @@ class SlotKV:
         used = len(self.owner)
         longest = max(r.cached for r in rows) + 1
         graphs = self.graphs_wanted and not capture.active and self.graphs_error is None
-        B, L = (bucket(used), bucket(longest, MIN_WIDTH)) if graphs else (used, longest)
+        B, L = (bucket(used), bucket(longest, MIN_WIDTH)) if graphs or self.buckets else (used, longest)
         cache = self._ensure(B, L)
         step_BC = np.empty((B, STEP_COLUMNS))
         step_BC[:, :3] = (self.pad_id, 0, 0.5)

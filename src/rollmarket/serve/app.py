@@ -320,7 +320,7 @@ def create_serve_app(engine: RolloutEngine | EngineFace, settings: ServeSettings
                 "model_config_hash": info.model_config_hash, "architecture": info.architecture,
                 "moe_layers": info.num_moe_layers, "num_experts": info.num_experts, "top_k": info.top_k,
                 "max_context_tokens": info.max_context_tokens,
-                "kv_cache": engine.kv, "decode_graphs": engine.graphs,
+                "kv_cache": engine.kv, "decode_graphs": engine.graphs, "step_buckets": engine.step_buckets,
                 "engine_process": not isinstance(engine, RolloutEngine), "engine_pid": server.batcher.pid,
                 **await server.batcher.read_counters()}
 

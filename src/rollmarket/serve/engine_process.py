@@ -60,6 +60,7 @@ class EngineFacts:
     kv: str
     graphs: bool
     device: str
+    step_buckets: bool
 
 
 class EngineFace:
@@ -68,6 +69,7 @@ class EngineFace:
     def __init__(self, facts: EngineFacts, tokenizer: Any, batcher: "RemoteBatcher"):
         self.info, self.name, self.precision = facts.info, facts.name, facts.precision
         self.kv, self.graphs, self.device = facts.kv, facts.graphs, facts.device
+        self.step_buckets = facts.step_buckets
         self.tokenizer = tokenizer
         self._batcher = batcher
 
@@ -242,7 +244,8 @@ def engine_main(settings_json: str, conn: Connection) -> None:
 
             torch.set_num_threads(settings.threads)
         loaded = load_model(settings.model_path, settings.precision, settings.device)
-        engine = RolloutEngine(loaded, kv=settings.kv_cache, graphs=settings.decode_graphs)
+        engine = RolloutEngine(loaded, kv=settings.kv_cache, graphs=settings.decode_graphs,
+                               step_buckets=settings.step_buckets)
     except ValueError as exc:  # the engine refuses the settings (slots for a sliding window, graphs on CPU)
         conn.send(("failed", "settings", str(exc)))
         return
@@ -250,7 +253,8 @@ def engine_main(settings_json: str, conn: Connection) -> None:
         conn.send(("failed", "load", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", EngineFacts(info=engine.info, name=engine.name, precision=engine.precision,
-                                    kv=engine.kv, graphs=engine.graphs, device=engine.device)))
+                                    kv=engine.kv, graphs=engine.graphs, device=engine.device,
+                                    step_buckets=engine.step_buckets)))
     gc.collect()
     gc.freeze()  # as serve-model does: full collections would walk torch's long-lived objects
     lock = threading.Lock()

@@ -27,11 +27,15 @@ class ServeSettings(BaseModel):
     decode_graphs: bool | None = Field(
         None, description="Replay decode steps as CUDA graphs (slots only). Default: on CUDA for models without "
                           "MoE routers.")
+    step_buckets: bool | None = Field(
+        None, description="Run eager slot decode steps (MoE models, or --no-decode-graphs) at batch and length "
+                          "rounded up to powers of two, so their shapes repeat: on CUDA a shape the process has "
+                          "not run yet costs several steps' time. Default: on CUDA.")
     max_batch_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one batch.")
-    engine_process: bool = Field(
-        False, description="Run the model and its decode loop in a process of their own, beside the HTTP "
-                           "process (which keeps the tokenizer): steps and requests stop taking turns on one "
-                           "interpreter lock.")
+    engine_process: bool | None = Field(
+        None, description="Run the model and its decode loop in a process of their own, beside the HTTP "
+                          "process (which keeps the tokenizer): steps and requests stop taking turns on one "
+                          "interpreter lock. Default: on CUDA (where a decode step is host-bound), off on the CPU.")
     batch_window_ms: float = Field(
         5.0, ge=0, description="How long an idle server waits after the latest request for more (at most 8 windows "
                                "in all) before the first prefill.")
@@ -53,3 +57,12 @@ class ServeSettings(BaseModel):
                              "costs (graph captures, kernel compiles).")
     return_routed_experts: bool = Field(
         True, description="Return routed experts when a request asks (MoE models); off: the field is ignored.")
+
+
+def wants_engine_process(settings: ServeSettings, device_type: str) -> bool:
+    """Whether serve-model decodes in an engine process: as set, else on CUDA. There a decode step
+    is bound by the host, and sharing one interpreter with the HTTP event loop slowed it: on an H200,
+    under sustained load, HTTP kept 0.78/0.87/0.89 of the engine alone with the engine process and
+    0.64/0.62/0.86 without (tiny-moe, tiny-dense, Qwen3-0.6B shape; docs/benchmarks.md, "Both
+    servers"). On the CPU the step is bound by its arithmetic and a second process buys nothing."""
+    return settings.engine_process if settings.engine_process is not None else device_type == "cuda"

@@ -88,6 +88,20 @@ def deliver(items: list[tuple[asyncio.Queue, list]]) -> None:
             events.put_nowait(item)
 
 
+def to_loops(items: list[tuple[Pending, list]]) -> None:
+    """Hand each request's items to the event loop that reads them: one ``call_soon_threadsafe``
+    per loop for all of them (this thread's batcher and an engine process's pipe reader both)."""
+    by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
+    for pending, batch in items:
+        assert pending.loop is not None and pending.events is not None
+        by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
+    for loop, grouped in by_loop.values():
+        try:
+            loop.call_soon_threadsafe(deliver, grouped)
+        except RuntimeError:
+            pass  # the server is shutting down: its loop is closed
+
+
 class Batcher:
     def __init__(self, engine: RolloutEngine, *, max_seqs: int = 32, window_s: float = 0.005,
                  profile_path: str | None = None, profile_after_steps: int = 0):
@@ -161,13 +175,8 @@ class Batcher:
 
     def hand_over(self, items: list[tuple[Pending, list]]) -> None:
         """Pass each request's new items (lists of (choice, StepEvent), an exception, DONE) to the
-        event loops that read them: one ``call_soon_threadsafe`` per loop for the whole step."""
-        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
-        for pending, batch in items:
-            assert pending.loop is not None and pending.events is not None
-            by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
-        for loop, grouped in by_loop.values():
-            loop.call_soon_threadsafe(deliver, grouped)
+        event loops that read them."""
+        to_loops(items)
 
     def _admissible(self, running: int) -> list[Pending]:
         """The waiting requests that join the batch of ``running`` sequences now (``join_now``);

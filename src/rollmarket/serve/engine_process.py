@@ -33,7 +33,7 @@ from typing import Any
 from ..engines import ModelInfo, Precision, RolloutEngine, SamplingParams
 from ..engines.loading import load_model, load_tokenizer
 from ..engines.rollout import encode_chat
-from .batcher import DONE, Batcher, Pending, deliver
+from .batcher import DONE, Batcher, Pending, to_loops
 from .protocol import OpenAIError
 from .settings import ServeSettings
 
@@ -175,7 +175,7 @@ class RemoteBatcher:
         # Everything in flight fails now, in the shape a failed decode step has.
         failed = RuntimeError(f"the engine process exited ({self._gone})")
         pendings, self._pending = self._pending, {}
-        self._deliver([(pending, [failed, DONE]) for pending in pendings.values()])
+        to_loops([(pending, [failed, DONE]) for pending in pendings.values()])
         for answered, _box in list(self._answers.values()):
             answered.set()
 
@@ -195,19 +195,7 @@ class RemoteBatcher:
                 else:
                     batch.append(item)
             ready.append((pending, batch))
-        self._deliver(ready)
-
-    @staticmethod
-    def _deliver(ready: list[tuple[Pending, list]]) -> None:
-        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list]] = {}
-        for pending, batch in ready:
-            assert pending.loop is not None and pending.events is not None
-            by_loop.setdefault(id(pending.loop), (pending.loop, []))[1].append((pending.events, batch))
-        for loop, grouped in by_loop.values():
-            try:
-                loop.call_soon_threadsafe(deliver, grouped)
-            except RuntimeError:
-                pass  # the server is shutting down: its loop is closed
+        to_loops(ready)
 
 
 class _PipeBatcher(Batcher):

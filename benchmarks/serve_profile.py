@@ -59,7 +59,8 @@ def server_profile(args, scratch: Path) -> dict:
     from serve_throughput import _start_server
 
     out = str(scratch / "server.prof")
-    proc, url = _start_server(args.model, args, scratch / "server.log", ("--profile-decode", out))
+    # The decode thread beside the event loop, as this benchmark has always compared it.
+    proc, url = _start_server(args.model, args, scratch / "server.log", ("--profile-decode", out, "--no-engine-process"))
     try:
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         walls = asyncio.run(_bursts(url, name, args.batch, args.tokens, args.bursts))

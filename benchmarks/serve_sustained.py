@@ -104,10 +104,11 @@ def _queues(sizes: list[int], concurrency: int) -> list[list[tuple[int, int]]]:
     return [[(i, sizes[i]) for i in range(s, len(sizes), concurrency)] for s in range(concurrency)]
 
 
-SERVERS = {"thread": ("http", ()), "process": ("http-process", ("--engine-process",)),
-           "thread-exact": ("http-exact", ("--no-step-buckets",))}
-"""``--servers``: the result's path and serve-model's options. ``thread-exact`` runs eager decode steps at
-their exact shapes (the default before ``--step-buckets``; docs/benchmarks.md, "New shapes")."""
+SERVERS = {"thread": ("http", ("--no-engine-process",)), "process": ("http-process", ("--engine-process",)),
+           "thread-exact": ("http-exact", ("--no-engine-process", "--no-step-buckets"))}
+"""``--servers``: the result's path and serve-model's options, explicit both ways (serve-model's
+default is the engine process on CUDA, the HTTP process on the CPU). ``thread-exact`` runs eager decode
+steps at their exact shapes (the default before ``--step-buckets``; docs/benchmarks.md, "New shapes")."""
 
 
 def bench_http(model: Path, sizes: list[int], args, log: Path, *, server: str) -> dict:
@@ -237,7 +238,7 @@ def bench_engine(model: Path, sizes: list[int], args) -> dict:
     mid = sorted(range(len(runs)), key=lambda i: rates[i])[len(runs) // 2]
     wall, tokens, steps, prefills, stepping = runs[mid]
     assert tokens == sum(sizes), (tokens, sum(sizes))
-    captures = sum(store.captures for store in engine._idle_slots)
+    captures = engine.graph_captures
     engine = None
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

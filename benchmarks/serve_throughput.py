@@ -156,7 +156,8 @@ async def _warm(burst, most: int = 4, within: float = 0.15) -> int:
 def bench_server(model: Path, args, log: Path) -> list[dict]:
     from openai import AsyncOpenAI
 
-    proc, url = _start_server(model, args, log, ("--engine-process",) if args.engine_process else ())
+    where = () if args.engine_process is None else ("--engine-process" if args.engine_process else "--no-engine-process",)
+    proc, url = _start_server(model, args, log, where)
     rows = []
     try:
         name = model.name
@@ -487,8 +488,10 @@ def main() -> None:
                         help="Client processes a burst's HTTP requests are split over (as rollout workers send "
                              "them); 1: all from this process, whose openai client's CPU then adds to the wall.")
     parser.add_argument("--no-engine", action="store_true", help="Skip the in-process engine comparison.")
-    parser.add_argument("--engine-process", action="store_true",
-                        help="serve-model --engine-process: the server decodes in a process of its own.")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="serve-model --engine-process / --no-engine-process: the server decodes in a process of "
+                             "its own, or in its HTTP process; unset: serve-model's default (the engine process on "
+                             "CUDA, the HTTP process on the CPU).")
     parser.add_argument("--out", type=Path, default=None,
                         help="Where to write the results as JSON; default benchmarks/results/serve_throughput.json "
                              "on cpu, serve_throughput-cuda.json on cuda.")

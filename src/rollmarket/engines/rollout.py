@@ -139,6 +139,12 @@ class RolloutEngine:
         """Slot stores of finished sessions, kept with their graphs for the next session (graphed
         engines only: capturing costs a few forwards per shape, every ``generate`` would pay it)."""
 
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured by the slot stores kept between sessions (graphed engines keep
+        theirs; a benchmark reads it once its sessions are done)."""
+        return sum(store.captures for store in self._idle_slots)
+
     def slot_store(self) -> SlotKV:
         """An empty slot store for a session: one a finished session gave back, or a new one."""
         if self._idle_slots:

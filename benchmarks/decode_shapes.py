@@ -43,7 +43,7 @@ from _result import write_result
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from serve_sustained import closed_loop, lengths  # noqa: E402
+from serve_sustained import add_inprocess_arguments, closed_loop, lengths  # noqa: E402
 from serve_throughput import MESSAGES, _device_name  # noqa: E402
 
 console = Console(width=max(Console().width, 120))
@@ -148,12 +148,7 @@ def one(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-moe")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
+    add_inprocess_arguments(parser)
     parser.add_argument("--new-runs", type=int, default=2, help="Runs with lengths of new seeds.")
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--profile", action="store_true",

@@ -35,7 +35,7 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from serve_sustained import lengths  # noqa: E402
+from serve_sustained import add_inprocess_arguments, lengths  # noqa: E402
 from serve_throughput import MESSAGES, _device_name  # noqa: E402
 
 console = Console(width=max(Console().width, 120))
@@ -87,12 +87,7 @@ def closed_loop(batcher, prompt: list[int], sizes: list[int], concurrency: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-moe")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
+    add_inprocess_arguments(parser)
     parser.add_argument("--busy", default="0.1,0.3", help="Shares of the busy thread, comma-separated.")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

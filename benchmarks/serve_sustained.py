@@ -156,6 +156,17 @@ def bench_http(model: Path, sizes: list[int], args, log: Path, *, server: str) -
             "prefills": delta["batches"], "queue_ms_mean": 1000 * delta["queue_seconds"] / len(sizes)}
 
 
+def add_inprocess_arguments(parser) -> None:
+    """The options of the benchmarks that drive this workload in-process, with no server
+    (serve_batcher.py, decode_shapes.py): the model, where it runs, and the streams' requests."""
+    parser.add_argument("--model", type=Path, default=REPO / "models" / "tiny-moe")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--concurrency", type=int, default=32, help="Streams kept in flight (the batch).")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=64, help="Mean completion tokens per request.")
+
+
 def closed_loop(engine, prompt: list[int], sizes: list[int], concurrency: int, step=None) -> tuple[int, int, int]:
     """The HTTP streams' workload on one ``DecodeSession``, no HTTP: request i belongs to stream
     i mod ``concurrency`` (as ``_queues`` deals them), a stream's next request is ready the step its

@@ -579,6 +579,28 @@ DECODE_SHAPES = "benchmarks/results/decode_shapes-cuda.json"
 SERVE_SUSTAINED_BUCKETS = "benchmarks/results/serve_sustained-moe-buckets-cuda.json"
 
 
+DECODE_SHAPES_CPU = {"tiny-moe": "benchmarks/results/decode_shapes.json",
+                     "tiny-dense": "benchmarks/results/decode_shapes-dense.json"}
+
+
+def _decode_shapes_cpu() -> str:
+    """The same runs on this project's 2-core CPU box: no cost per new shape."""
+    lines = []
+    for model, path in DECODE_SHAPES_CPU.items():
+        data = load(path)
+        def span(rows, key):  # noqa: E306
+            values = [r[key] for r in rows if r[key] is not None]
+            return f"{n(min(values), 1)}–{n(max(values), 1)}"
+        exact = [r for r in data["rows"] if r["condition"] == "exact"]
+        buckets = [r for r in data["rows"] if r["condition"] == "buckets"]
+        lines.append(f"{model}: exact shapes, a step on a new shape {span(exact, 'new_shape_step_ms')} ms and on a "
+                     f"seen one {span(exact, 'seen_shape_step_ms')} ms; whole runs exact "
+                     f"{span(exact, 'step_ms')} ms a step, bucketed {span(buckets, 'step_ms')} ms")
+    first = load(next(iter(DECODE_SHAPES_CPU.values())))
+    return ("\n\nOn the CPU (" + provenance(next(iter(DECODE_SHAPES_CPU.values())), first, inline=True)
+            + f"; tiny-dense's in `{DECODE_SHAPES_CPU['tiny-dense']}`, the same box and day): " + "; ".join(lines) + ".")
+
+
 @block("decode-shapes")
 def _():
     """Eager decode steps on shapes the process has seen and has not; the server with and without buckets."""
@@ -617,6 +639,7 @@ def _():
                    + [["the engine alone (its step only)", n(by["engine"]["tokens_per_s"]),
                        ", ".join(n(x) for x in by["engine"]["tokens_per_s_runs"]), n(by["engine"]["step_only_ms"], 2),
                        "–"]])
+           + _decode_shapes_cpu()
            + f"\n\nBuckets make the server {times(by['http']['tokens_per_s'] / by['http-exact']['tokens_per_s'])} "
            "as fast (medians of " + str(len(by["http"]["tokens_per_s_runs"])) + " runs). In this run the engine "
            "alone still drew the next request in global order (the workload fixed below), so its ratios are "

@@ -129,7 +129,8 @@ class SlotKV:
         graphs, or on CUDA). On CUDA a step whose shapes the process has not run yet costs far more
         than a repeat (measured on tiny-moe: ~100 ms against ~12; docs/benchmarks.md, "New shapes"),
         and a server's batch compositions depend on when requests arrive, so exact shapes keep
-        being new; on the CPU there is no such cost and padding rows would be extra work."""
+        being new. On the CPU a new shape costs nothing and buckets were no clear win (faster runs
+        for tiny-moe, slower for tiny-dense), so steps there stay exact unless asked."""
         self.model = model
         self.pad_id = pad_id
         self.graphs_wanted = graphs

@@ -659,12 +659,15 @@ def _():
         data = load(path)
         by = {(r["model"], r["path"]): r for r in data["results"]}
         rows, verdicts = [], []
+        ratios: dict[str, list[float]] = {"decoding in the HTTP process": [], "in an engine process": []}
         for model, label in SERVE_MODELS.items():
             if (model, "engine") not in by:
                 continue
             engine = by[(model, "engine")]
             for path_name, server in (("http", "in its HTTP process"), ("http-process", "engine process")):
                 r = by[(model, path_name)]
+                ratios["decoding in the HTTP process" if path_name == "http" else "in an engine process"].append(
+                    r["over_engine"])
                 rows.append([label, server, n(r["tokens_per_s"]),
                              f"{n(min(r['tokens_per_s_runs']))}–{n(max(r['tokens_per_s_runs']))}",
                              n(r["mean_batch"], 1), n(r["server_step_ms"], 2), bold(times(r["over_engine"]), True)])
@@ -679,7 +682,9 @@ def _():
                    f"client processes; medians of {len(data['results'][0]['tokens_per_s_runs'])} runs.\n\n"
                    + table(["model", "serve-model decoding", "tokens/s", "runs", "mean batch", "step ms",
                             "**÷ engine**"], list("llrrrrr"), rows)
-                   + "\n\nIssue 18's goal (≥ 0.8×): " + "; ".join(verdicts) + ".")
+                   + "\n\nIssue 18's goal (≥ 0.8×): " + "; ".join(verdicts) + ". "
+                   + "; ".join(f"{server}: {times(min(v))}–{times(max(v))} of the engine alone"
+                               for server, v in ratios.items()) + ".")
     moe = load(SERVE_MOE_PROCESS)
     by = {r["path"]: r for r in moe["results"]}
     inside, outside = by["http"], by["http-process"]

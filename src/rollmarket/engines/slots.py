@@ -127,7 +127,7 @@ class SlotKV:
         """``cache_arg``: the name the model's forward takes its cache by (``RolloutEngine``).
         ``buckets``: round eager steps' (B, L) up to buckets too, as graphed ones are (None: with
         graphs, or on CUDA). On CUDA a step whose shapes the process has not run yet costs far more
-        than a repeat (measured on tiny-moe: ~100 ms against ~12; docs/benchmarks.md, "New shapes"),
+        than a repeat (tiny-moe on an H100: 66 ms a step against 16; docs/benchmarks.md, "New shapes"),
         and a server's batch compositions depend on when requests arrive, so exact shapes keep
         being new. On the CPU a new shape costs nothing and buckets were no clear win (faster runs
         for tiny-moe, slower for tiny-dense), so steps there stay exact unless asked."""

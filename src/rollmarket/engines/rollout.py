@@ -129,6 +129,11 @@ class RolloutEngine:
         self.graphs = graphs and self.kv == "slots"
         """Whether slot decode steps are replayed as CUDA graphs."""
         if step_buckets is None:
+            # On CUDA a step whose shapes the process has not run yet costs far more than a repeat
+            # (cuDNN's attention plans each shape: tiny-moe on an H100, 66 ms a step against 16;
+            # docs/benchmarks.md, "New shapes"), and a server's batch compositions depend on when
+            # requests arrive, so exact shapes keep being new. On the CPU a new shape costs nothing
+            # and buckets were no clear win (faster runs for tiny-moe, slower for tiny-dense).
             step_buckets = self.graphs or loaded.device.type == "cuda"
         self.step_buckets = bool(step_buckets) and self.kv == "slots"
         """Whether slot decode steps run at bucketed (batch, length) shapes (always when graphed)."""

@@ -123,19 +123,13 @@ class SlotCache:
 class SlotKV:
     """The slot store of a ``DecodeSession``: which row owns which slot, the cache, the graphs."""
 
-    def __init__(self, model: Any, pad_id: int, *, graphs: bool, cache_arg: str, buckets: bool | None = None):
+    def __init__(self, model: Any, pad_id: int, *, graphs: bool, cache_arg: str, buckets: bool = False):
         """``cache_arg``: the name the model's forward takes its cache by (``RolloutEngine``).
-        ``buckets``: round eager steps' (B, L) up to buckets too, as graphed ones are (None: with
-        graphs, or on CUDA). On CUDA a step whose shapes the process has not run yet costs far more
-        than a repeat (tiny-moe on an H100: 66 ms a step against 16; docs/benchmarks.md, "New shapes"),
-        and a server's batch compositions depend on when requests arrive, so exact shapes keep
-        being new. On the CPU a new shape costs nothing and buckets were no clear win (faster runs
-        for tiny-moe, slower for tiny-dense), so steps there stay exact unless asked."""
+        ``buckets``: round eager steps' (B, L) up to buckets too, as graphed ones always are
+        (``RolloutEngine(step_buckets=...)`` decides, and says why)."""
         self.model = model
         self.pad_id = pad_id
         self.graphs_wanted = graphs
-        if buckets is None:
-            buckets = graphs or next(model.parameters()).device.type == "cuda"
         self.buckets = buckets
         config = model.config
         self._config = (config.num_hidden_layers, config.num_key_value_heads,

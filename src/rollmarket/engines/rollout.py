@@ -98,8 +98,8 @@ class RolloutEngine:
                  step_buckets: bool | None = None):
         """``kv``: the decode's KV cache, ``slots`` (fixed slots: fixed step shapes), ``padded``
         (transformers' DynamicCache, left-padded) or ``auto`` (slots where the model allows them).
-        ``graphs``: replay slot decode steps as CUDA graphs; None = on CUDA for models without MoE
-        routers that are not FSDP-sharded (see ``slots``). ``step_buckets``: round eager slot
+        ``graphs``: replay slot decode steps as CUDA graphs (MoE router capture included); None =
+        on CUDA for models that are not FSDP-sharded (see ``slots``). ``step_buckets``: round eager slot
         steps' batch and length up to powers of two, so that their shapes repeat; None = on CUDA
         (``SlotKV``)."""
         self.loaded = loaded
@@ -123,7 +123,7 @@ class RolloutEngine:
         if graphs and no_graphs:
             raise ValueError(f"no CUDA graphs: {no_graphs}")
         if graphs is None:
-            graphs = loaded.device.type == "cuda" and not self.info.is_moe and no_graphs is None
+            graphs = loaded.device.type == "cuda" and no_graphs is None
         if graphs and loaded.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.graphs = graphs and self.kv == "slots"

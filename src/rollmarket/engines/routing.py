@@ -75,9 +75,15 @@ class RouterCapture:
     def take(self, batch: int, seq: int) -> torch.Tensor:
         if not self.routers:
             return torch.empty(batch, seq, 0, self.top_k, dtype=torch.int16)
+        return self.stacked().reshape(batch, seq, len(self.routers), self.top_k).cpu()
+
+    def stacked(self) -> torch.Tensor:
+        """The last forward's experts ``[tokens, moe_layers, top_k]`` int16, left on the model's
+        device (no wait for it): inside a CUDA graph capture this is part of the graph, and each
+        replay refills it."""
         stacked_NLK = torch.stack([ix for ix in self._indices], dim=1)  # type: ignore[misc]
         self._indices = [None] * len(self.routers)
-        return stacked_NLK.to(torch.int16).reshape(batch, seq, len(self.routers), self.top_k).cpu()
+        return stacked_NLK.to(torch.int16)
 
 
 OWN_ROUTING = -1

@@ -24,9 +24,14 @@ row does, so they change no flag. The flags (which passes the draw runs) key the
 
 The buffers start small and double (slots or width) when a row needs more; growing copies the
 buffers and drops the captured graphs, a few times per server life. Graphs are used on CUDA for
-models whose layers all attend fully (a sliding window needs its own mask) and that have no MoE
-routers (the router capture reads experts on the host, and transformers' expert dispatch has
-data-dependent shapes); everything else runs the same slot steps eagerly.
+models whose layers all attend fully (a sliding window needs its own mask); everything else runs
+the same slot steps eagerly. An MoE model's step is graphed with its router capture inside: the
+hooks record each router's top-k into the graph's memory as the step is captured, the step stacks
+them into one ``[B, moe_layers, top_k]`` tensor there, and every replay refills it. transformers'
+grouped expert dispatch keeps fixed shapes for a fixed token count (it sorts the (token, expert)
+pairs and hands the kernel per-expert offsets on the device), so it captures too; a dispatch that
+waits for the host (the eager loop over the experts hit) fails the capture, and the store then
+steps eagerly (``graphs_error``).
 """
 
 from __future__ import annotations
@@ -145,6 +150,8 @@ class SlotKV:
         """Graphs captured over this store's life (regrowing the cache drops them)."""
         self._cache_arg = cache_arg
         self._columns: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._capture: RouterCapture | None = None
+        """The session's router capture, for the step ``_step`` runs (and a graph captures)."""
 
     def _weights(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.model.parameters())
@@ -218,7 +225,7 @@ class SlotKV:
         (a ``RowBatch.packed`` row), made inside the step."""
         used = len(self.owner)
         longest = max(r.cached for r in rows) + 1
-        graphs = self.graphs_wanted and not capture.active and self.graphs_error is None
+        graphs = self.graphs_wanted and self.graphs_error is None
         B, L = (bucket(used), bucket(longest, MIN_WIDTH)) if graphs or self.buckets else (used, longest)
         cache = self._ensure(B, L)
         step_BC = np.empty((B, STEP_COLUMNS))
@@ -239,27 +246,25 @@ class SlotKV:
         columns_L = self._columns.get((L, device))
         if columns_L is None:
             columns_L = self._columns[(L, device)] = torch.arange(L, device=device)
-        experts_BLK = None
         flags = sampler.flags if sampler is not None else None
+        self._capture = capture
         out = self._graphed(step_t, columns_L, flags) if graphs else None
         if out is None:
-            with capture:
-                out = self.forward(step_t, columns_L, flags)
-                if capture.active:
-                    experts_BLK = capture.take(B, 1)[:, 0]
-        logits_BV, packed_BC = out
+            out = self._step(step_t, columns_L, flags)
+        logits_BV, packed_BC, experts_BLK = out
         index = torch.tensor(slots).to(device, non_blocking=True)
-        picked = logits_BV[index]  # a copy: a graph's outputs are overwritten by its next replay
-        experts = experts_BLK[slots] if experts_BLK is not None else None
+        # Copies: a graph's outputs are overwritten by its next replay.
+        picked = logits_BV[index]
+        experts = experts_BLK[index].cpu() if experts_BLK is not None else None
         if packed_BC is None:
             return picked, experts, None
-        packed = packed_BC.cpu().tolist()  # the step's one wait for the device
+        packed = packed_BC.cpu().tolist()  # the step's wait for the device (done already with experts)
         return picked, experts, [packed[s] for s in slots]
 
     def _graphed(self, step_BC: torch.Tensor, columns_L: torch.Tensor, flags: RowFlags | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if self._graphs is None:
-            self._graphs = BodyGraphs(self.forward, shapes=64)
+            self._graphs = BodyGraphs(self._step, shapes=64)
             self._graphed_weights = self._weights()
         before = self._graphs.captures
         try:
@@ -270,6 +275,18 @@ class SlotKV:
             return None
         self.captures += self._graphs.captures - before
         return out
+
+    def _step(self, step_BC: torch.Tensor, columns_L: torch.Tensor, flags: RowFlags | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``forward`` with the routers' choices recorded: ``(logits, draws, experts)``, the experts
+        ``[B, moe_layers, top_k]`` int16 on the device (None for a dense model). What the graphs
+        capture, hooks and all."""
+        capture = self._capture
+        assert capture is not None, "decode() sets the session's capture"
+        with capture:
+            logits_BV, packed_BC = self.forward(step_BC, columns_L, flags)
+            experts_BLK = capture.stacked() if capture.active else None
+        return logits_BV, packed_BC, experts_BLK
 
     def forward(self, step_BC: torch.Tensor, columns_L: torch.Tensor, flags: RowFlags | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -94,6 +94,14 @@ def test_seeded_requests_give_what_the_in_process_server_gives(pair):
         for choice in chunk.choices:
             streamed += (choice.model_extra or {}).get("token_ids") or []
     assert streamed == a.choices[0].model_extra["token_ids"]
+    # Not asked for, the experts stay in the engine process (they cross the pipe only when wanted):
+    # the same tokens, no routed_experts field.
+    plain = client(pair["process"]).chat.completions.create(
+        model="tiny-moe", messages=PROMPT, max_tokens=20, seed=11, temperature=1.0, n=2,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+    for x, y in zip(a.choices, plain.choices, strict=True):
+        assert y.model_extra["token_ids"] == x.model_extra["token_ids"]
+        assert "routed_experts" not in (y.model_extra or {})
 
 
 def test_a_client_that_goes_away_frees_its_rows_in_the_engine_process(pair):

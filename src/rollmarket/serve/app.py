@@ -358,10 +358,10 @@ def create_serve_app(engine: RolloutEngine | EngineFace, settings: ServeSettings
                                 prompt_len=len(prompt), top_logprobs=top_n)
         parse_tools = bool(req.tools) and req.tool_choice != "none"
         choices = server.new_choices(req.n, 0, params.stop, parse_tools)
-        pending = server.batcher.submit(prompt, params, req.n, stream=bool(req.stream))
+        moe = bool(engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts)
+        pending = server.batcher.submit(prompt, params, req.n, stream=bool(req.stream), experts=moe)
         rid = "chatcmpl-" + secrets.token_hex(12)
         created = int(time.time())
-        moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
         if req.stream:
             return StreamingResponse(_chat_stream(server, req, rid, created, prompt, pending, choices, moe),
                                      media_type="text/event-stream")
@@ -410,9 +410,9 @@ def create_serve_app(engine: RolloutEngine | EngineFace, settings: ServeSettings
         params = server._params(req, max_tokens=req.max_output_tokens, prompt_len=len(prompt),
                                 top_logprobs=(req.top_logprobs or 0) if want_logprobs else 0)
         choices = server.new_choices(1, 0, params.stop, bool(tools))
-        pending = server.batcher.submit(prompt, params, 1, stream=bool(req.stream))
-        rid, created = "resp_" + secrets.token_hex(12), int(time.time())
         moe = bool(engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts)
+        pending = server.batcher.submit(prompt, params, 1, stream=bool(req.stream), experts=moe)
+        rid, created = "resp_" + secrets.token_hex(12), int(time.time())
 
         def logprob_entries(start: int = 0) -> list[dict]:
             c = choices[0]
@@ -466,14 +466,15 @@ def create_serve_app(engine: RolloutEngine | EngineFace, settings: ServeSettings
             raise OpenAIError("echo is not supported", param="echo")
         prompts = await asyncio.to_thread(server.completion_prompts, req)
         top_n = req.logprobs or 0
+        moe = bool(engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts)
         runs = []
         for k, prompt in enumerate(prompts):
             params = server._params(req, max_tokens=req.max_tokens, prompt_len=len(prompt), top_logprobs=top_n)
             choices = server.new_choices(req.n, k * req.n, params.stop, False)
-            runs.append((prompt, choices, server.batcher.submit(prompt, params, req.n, stream=bool(req.stream))))
+            runs.append((prompt, choices, server.batcher.submit(prompt, params, req.n, stream=bool(req.stream),
+                                                                experts=moe)))
         rid = "cmpl-" + secrets.token_hex(12)
         created = int(time.time())
-        moe = engine.info.is_moe and req.return_routed_experts and settings.return_routed_experts
         if req.stream:
             return StreamingResponse(_completion_stream(server, req, rid, created, runs, moe),
                                      media_type="text/event-stream")

@@ -71,6 +71,9 @@ class Pending:
     """Decode-thread side: items not yet handed to the event loop."""
     request_id: int = 0
     """Names the request between the HTTP process and the engine process (``engine_process``)."""
+    experts: bool = True
+    """Whether the request's routed experts are wanted (an MoE model's events always carry them
+    in this process; an engine process sends them over its pipe only when wanted)."""
     on_cancel: Callable[[], None] | None = None
 
     def cancel(self) -> None:
@@ -154,9 +157,10 @@ class Batcher:
         """The process whose thread decodes: this one."""
         return os.getpid()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int, *, stream: bool = True) -> Pending:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int, *, stream: bool = True,
+               experts: bool = True) -> Pending:
         loop = asyncio.get_running_loop()
-        pending = Pending(prompt_ids, params, n, loop, asyncio.Queue(), stream=stream)
+        pending = Pending(prompt_ids, params, n, loop, asyncio.Queue(), stream=stream, experts=experts)
         self.enqueue(pending)
         return pending
 

@@ -58,7 +58,7 @@ BENCHMARKS=(
   "decode_shapes|200|benchmarks/decode_shapes.py --device cuda --profile --requests 128 --conditions exact,buckets"
   "serve_sustained-moe-process|320|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread,process"
   "serve_sustained-moe-buckets|320|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread,thread-exact"
-  "serve_sustained-process|420|benchmarks/serve_sustained.py --device cuda --servers process"
+  "serve_sustained-default|420|benchmarks/serve_sustained.py --device cuda --servers process"
   "decode_profile|200|benchmarks/decode_profile.py --device cuda --kv padded,slots,graphs"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other

@@ -376,14 +376,21 @@ SERVE_CUDA_RUNS = (
     ("benchmarks/results/serve_throughput-cuda-h200-slots3.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-clients-cuda-2.json", "slots + graphs"),
     ("benchmarks/results/serve_throughput-cuda-h200-gc.json", "slots + graphs, gc frozen"),
-    (SERVE_CUDA, "the same, draw inside the step"),
-    ("benchmarks/results/serve_throughput-clients-cuda.json", "the same, draw inside the step"),
+    ("benchmarks/results/serve_throughput-cuda-h200-draw.json", "the same, draw inside the step"),
+    ("benchmarks/results/serve_throughput-clients-cuda-3.json", "the same, draw inside the step"),
+    (SERVE_CUDA, "MoE graphed too, engine process"),
+    ("benchmarks/results/serve_throughput-thread-cuda.json", "MoE graphed too, in-process decode"),
+    ("benchmarks/results/serve_throughput-clients-cuda-4.json", "MoE graphed too, engine process"),
+    ("benchmarks/results/serve_throughput-clients-cuda.json", "MoE graphed too, engine process, lean pipe"),
 )
 """Every committed GPU run of the same benchmark since its warm-ups settled, oldest first, with the
 decode's KV cache it ran (``padded``: the DynamicCache before engines/slots.py; tiny-moe, an MoE
-model, always decodes eagerly; ``gc frozen``: serve-model freezes its start-up objects out of the
+model, decodes eagerly until ``MoE graphed too``; ``gc frozen``: serve-model freezes its start-up objects out of the
 garbage collector's full passes; ``draw inside the step``: a slot step samples each row's next
-token inside its graph, and a busy batch takes joiners in groups)."""
+token inside its graph, and a busy batch takes joiners in groups; ``MoE graphed too``: tiny-moe's
+slot steps are CUDA graphs as well, router capture inside, and the server's default placement on
+CUDA (an engine process) or ``--no-engine-process``; ``lean pipe``: events cross the engine
+process's pipe as tuples, routed experts only when asked)."""
 
 
 @block("serve-runs")
@@ -696,6 +703,59 @@ def _():
                f"{', '.join(n(x) for x in outside['tokens_per_s_runs'])}; step {n(outside['server_step_ms'], 2)} ms): "
                f"**{times(outside['tokens_per_s'] / inside['tokens_per_s'])}**.")
     return "\n\n".join(out)
+
+
+SERVE_DEFAULT_RUNS = ("benchmarks/results/serve_sustained-default-cuda.json",
+                      "benchmarks/results/serve_sustained-default-2-cuda.json")
+SERVE_MOE_GRAPHS = "benchmarks/results/serve_sustained-moe-graphs-cuda.json"
+
+
+@block("serve-moe-graphs")
+def _():
+    """MoE decode steps as CUDA graphs: tiny-moe's engine before and after, then the default server
+    (engine process, lean pipe) against the engine alone on the streams' workload, call by call."""
+    before = {(r["model"], r["path"]): r for r in load(SERVE_STREAMS)["results"]}
+    calls = [load(path) for path in SERVE_DEFAULT_RUNS]
+    eager = before[("tiny-moe", "engine")]
+    rows = [["eager, bucketed (`serve_sustained-streams-cuda.json`)", n(eager["tokens_per_s"]),
+             n(eager["step_only_ms"], 2), "–"]]
+    for path, data in zip(SERVE_DEFAULT_RUNS, calls):
+        graphed = next(r for r in data["results"] if (r["model"], r["path"]) == ("tiny-moe", "engine"))
+        rows.append([f"CUDA graphs (`{path.rsplit('/', 1)[1]}`)", n(graphed["tokens_per_s"]),
+                     n(graphed["step_only_ms"], 2), bold(times(graphed["tokens_per_s"] / eager["tokens_per_s"], 1))])
+    engine_table = table(["tiny-moe, engine alone", "tokens/s", "step ms", "**÷ eager**"], list("lrrr"), rows)
+    rows, verdicts = [], []
+    for call, (path, data) in enumerate(zip(SERVE_DEFAULT_RUNS, calls), 1):
+        by = {(r["model"], r["path"]): r for r in data["results"]}
+        for model, label in SERVE_MODELS.items():
+            if (model, "http-process") not in by:
+                continue
+            engine, http = by[(model, "engine")], by[(model, "http-process")]
+            ratio = http["tokens_per_s"] / engine["tokens_per_s"]
+            rows.append([label, str(call), n(engine["tokens_per_s"]), n(http["tokens_per_s"]),
+                         f"{n(min(http['tokens_per_s_runs']))}–{n(max(http['tokens_per_s_runs']))}",
+                         n(http["mean_batch"], 1), n(http["server_step_ms"], 2), n(engine["step_only_ms"], 2),
+                         bold(times(ratio), True)])
+            verdicts.append((label, call, ratio))
+    meta = calls[0]["meta"]
+    server_table = table(["model", "call", "engine tok/s", "HTTP tok/s", "HTTP runs", "HTTP mean batch",
+                          "server step ms", "engine step ms", "**HTTP ÷ engine**"], list("lrrrrrrrr"), rows)
+    labels = list(dict.fromkeys(label for label, _, _ in verdicts))
+    goal = "; ".join(
+        f"{label} " + " / ".join(times(r) for lab, _, r in verdicts if lab == label)
+        + (" met in every call" if all(r >= 0.8 for lab, _, r in verdicts if lab == label) else " **missed**")
+        for label in labels)
+    moe = {r["path"]: r for r in load(SERVE_MOE_GRAPHS)["results"]}
+    return ("\n\n".join(provenance(path, data["meta"]) for path, data in zip(SERVE_DEFAULT_RUNS, calls))
+            + f" {meta['requests']} requests of {meta['max_tokens'] // 2}–{3 * meta['max_tokens'] // 2} tokens, "
+            f"{meta['concurrency']} streams over {meta['clients']} client processes; medians of "
+            f"{len(calls[0]['results'][0]['tokens_per_s_runs'])} runs; two calls one after the other on one card.\n\n"
+            + engine_table + "\n\n" + server_table
+            + "\n\nIssue 18's goal under sustained load (≥ 0.8×), serve-model's default server on CUDA: " + goal + ".\n\n"
+            + "Before the lean pipe, tiny-moe graphed, both servers in one call: "
+            + provenance(SERVE_MOE_GRAPHS, load(SERVE_MOE_GRAPHS)["meta"], inline=True)
+            + f": in the HTTP process {times(moe['http']['over_engine'])}, in an engine process "
+            f"{times(moe['http-process']['over_engine'])} of the engine alone ({n(moe['engine']['tokens_per_s'])} tokens/s).")
 
 
 SAMPLER = "benchmarks/results/sampler_cpu.json"

@@ -36,6 +36,7 @@ steps eagerly (``graphs_error``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,8 @@ from .sampling import SETTINGS, RowBatch, RowFlags, row_uniforms
 MIN_WIDTH = 128
 """Columns of a fresh cache, and the smallest length bucket a graph attends over."""
 MIN_SLOTS = 4
+log = logging.getLogger(__name__)
+
 STEP_COLUMNS = 3 + len(SETTINGS)
 """A decode step's input per slot: token id, position, uniform, then the row's sampling settings."""
 
@@ -272,6 +275,7 @@ class SlotKV:
         except GraphUnavailable as exc:
             self.graphs_error = str(exc)
             self._graphs = None
+            log.warning("decode steps run eagerly: %s", exc)  # once per store: it stays eager
             return None
         self.captures += self._graphs.captures - before
         return out

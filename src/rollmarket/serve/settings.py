@@ -25,10 +25,10 @@ class ServeSettings(BaseModel):
                             "shapes that CUDA graphs replay), padded (transformers' DynamicCache, any model) or auto "
                             "(slots unless a layer has a sliding window).")
     decode_graphs: bool | None = Field(
-        None, description="Replay decode steps as CUDA graphs (slots only). Default: on CUDA for models without "
-                          "MoE routers.")
+        None, description="Replay decode steps as CUDA graphs (slots only; MoE router capture included). "
+                          "Default: on CUDA.")
     step_buckets: bool | None = Field(
-        None, description="Run eager slot decode steps (MoE models, or --no-decode-graphs) at batch and length "
+        None, description="Run eager slot decode steps (--no-decode-graphs, or where a capture fails) at batch and length "
                           "rounded up to powers of two, so their shapes repeat: on CUDA a shape the process has "
                           "not run yet costs several steps' time. Default: on CUDA.")
     max_batch_seqs: int = Field(32, ge=1, description="Most sequences decoded together in one batch.")

@@ -7,7 +7,7 @@ way (an API server process and an engine-core process). Here the HTTP process ke
 the chat template and the detokenizer; the engine process loads the weights and runs the same
 ``Batcher``. They talk over one ``multiprocessing`` pipe (pickled tuples):
 
-- HTTP → engine: ``("submit", id, prompt_ids, params, n, stream)``, ``("cancel", id)``,
+- HTTP → engine: ``("submit", id, prompt_ids, params, n, stream, experts)``, ``("cancel", id)``,
   ``("ask", token, what)`` (``counters`` or ``fingerprint``), ``("stop",)``.
 - engine → HTTP: ``("ready", EngineFacts)`` or ``("failed", kind, message)`` once, at start;
   ``("out", [(id, items), ...])`` once per step for every request with news; ``("answer", token, value)``.

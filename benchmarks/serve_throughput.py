@@ -430,11 +430,31 @@ def bench_batcher(engine, prompt: list[int], name: str, args) -> list[dict]:
     try:
         for batch in args.batches:
             warmups = asyncio.run(_warm(lambda: burst(batch)))  # at the measured length, as the others
-            rates = [asyncio.run(burst(batch)) for _ in range(args.repeats)]
+            rates, inside = [], []
+            for _ in range(args.repeats):
+                # The decode thread's own account, as the HTTP path reads it from /v1/engine: does a
+                # burst lose its time inside the steps, or around them?
+                before = batcher.counters()
+                started = time.perf_counter()
+                rates.append(asyncio.run(burst(batch)))
+                wall = time.perf_counter() - started
+                after = batcher.counters()
+                delta = {k: after[k] - before[k] for k in ("decode_steps", "decode_seconds", "prefill_seconds",
+                                                           "queue_seconds", "batches")}
+                inside.append({"wall_s": wall, **delta,
+                               "step_ms": 1000 * delta["decode_seconds"] / max(delta["decode_steps"], 1),
+                               "queue_ms_mean": 1000 * delta["queue_seconds"] / batch})
             rows.append({"model": name, "path": "batcher", "batch": batch, "max_tokens": args.max_tokens,
                          "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
-                         "request_p50_s": None, "engine_batches": [], "warmups": warmups})
-            console.print(f"  {'batcher':<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s")
+                         "request_p50_s": None, "engine_batches": [int(r["batches"]) for r in inside],
+                         "warmups": warmups, "server": inside,
+                         "server_step_ms": statistics.median(r["step_ms"] for r in inside),
+                         "decode_share": statistics.median((r["decode_seconds"] + r["prefill_seconds"]) / r["wall_s"]
+                                                           for r in inside),
+                         "queue_ms_mean": statistics.median(r["queue_ms_mean"] for r in inside)})
+            console.print(f"  {'batcher':<14} batch {batch:>3}: {statistics.median(rates):9.1f} tokens/s "
+                          f"(step {rows[-1]['server_step_ms']:.2f} ms, decode+prefill "
+                          f"{rows[-1]['decode_share']:.0%} of wall, queue wait {rows[-1]['queue_ms_mean']:.1f} ms)")
     finally:
         batcher.stop()
     return rows
@@ -534,10 +554,10 @@ def main() -> None:
             f"{row['request_p50_s']:.3f}" if row["request_p50_s"] is not None else "-",
             ",".join(map(str, row["engine_batches"])) or "-",
             # http: the server's decode thread's own step time; engine: a burst's wall per step.
-            f"{row['server_step_ms']:.2f}" if row["path"] == "http" else
+            f"{row['server_step_ms']:.2f}" if "server_step_ms" in row else
             f"{1000 * row['batch'] / row['tokens_per_s']:.2f}",
-            f"{row['decode_share']:.0%}" if row["path"] == "http" else "-",
-            f"{row['queue_ms_mean']:.1f}" if row["path"] == "http" else "-")
+            f"{row['decode_share']:.0%}" if "decode_share" in row else "-",
+            f"{row['queue_ms_mean']:.1f}" if "queue_ms_mean" in row else "-")
     console.print(table)
     if splits:
         split_table = Table(title="one decode step: model forward and sampling (ms, synchronised)")

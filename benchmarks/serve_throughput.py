@@ -355,6 +355,9 @@ def bench_engine(model: Path, name: str, args) -> tuple[list[dict], list[dict]]:
                     engine.fused_draw = fused
                     splits.append(_split(engine, prompt, name, sampler, batch, args, sync))
                 engine.fused_draw = sampler == "engine"
+    # The batcher runs what serve-model runs: the draw inside the slot step. (Left as the per-row
+    # baseline set it, the batcher rows of runs before 2026-11-28 06:00 drew outside the step.)
+    engine.fused_draw = True
     rows += bench_batcher(engine, prompt, name, args)
     engine = None  # the model's memory goes back before empty_cache (a nested function holds the name)
     if args.device.startswith("cuda"):

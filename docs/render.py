@@ -382,6 +382,7 @@ SERVE_CUDA_RUNS = (
     ("benchmarks/results/serve_throughput-thread-cuda.json", "MoE graphed too, in-process decode"),
     ("benchmarks/results/serve_throughput-clients-cuda-4.json", "MoE graphed too, engine process"),
     ("benchmarks/results/serve_throughput-clients-cuda.json", "MoE graphed too, engine process, lean pipe"),
+    ("benchmarks/results/serve_throughput-tiny-cuda.json", "MoE graphed too, engine process, lean pipe"),
 )
 """Every committed GPU run of the same benchmark since its warm-ups settled, oldest first, with the
 decode's KV cache it ran (``padded``: the DynamicCache before engines/slots.py; tiny-moe, an MoE
@@ -390,7 +391,9 @@ garbage collector's full passes; ``draw inside the step``: a slot step samples e
 token inside its graph, and a busy batch takes joiners in groups; ``MoE graphed too``: tiny-moe's
 slot steps are CUDA graphs as well, router capture inside, and the server's default placement on
 CUDA (an engine process) or ``--no-engine-process``; ``lean pipe``: events cross the engine
-process's pipe as tuples, routed experts only when asked)."""
+process's pipe as tuples, routed experts only when asked). The batcher rows of the ``draw inside
+the step`` and ``MoE graphed too`` runs drew outside the step: the benchmark left the engine as its
+per-row baseline had set it (fixed after them)."""
 
 
 @block("serve-runs")

@@ -265,7 +265,7 @@ class SlotKV:
         return picked, experts, [packed[s] for s in slots]
 
     def _graphed(self, step_BC: torch.Tensor, columns_L: torch.Tensor, flags: RowFlags | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
         if self._graphs is None:
             self._graphs = BodyGraphs(self._step, shapes=64)
             self._graphed_weights = self._weights()

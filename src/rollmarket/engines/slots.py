@@ -29,9 +29,10 @@ the same slot steps eagerly. An MoE model's step is graphed with its router capt
 hooks record each router's top-k into the graph's memory as the step is captured, the step stacks
 them into one ``[B, moe_layers, top_k]`` tensor there, and every replay refills it. transformers'
 grouped expert dispatch keeps fixed shapes for a fixed token count (it sorts the (token, expert)
-pairs and hands the kernel per-expert offsets on the device), so it captures too; a dispatch that
-waits for the host (the eager loop over the experts hit) fails the capture, and the store then
-steps eagerly (``graphs_error``).
+pairs and hands the kernel per-expert offsets on the device), so it captures too in bf16; a
+dispatch that waits for the host (the eager loop over the experts hit, or torch's grouped matmul in
+fp32, which reads the offsets on the host) fails the capture, and the store then steps eagerly
+(``graphs_error``).
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ from .graphs import BodyGraphs, GraphUnavailable
 from .routing import RouterCapture
 from .sampling import SETTINGS, RowBatch, RowFlags, row_uniforms
 
+log = logging.getLogger(__name__)
+
 MIN_WIDTH = 128
 """Columns of a fresh cache, and the smallest length bucket a graph attends over."""
 MIN_SLOTS = 4
-log = logging.getLogger(__name__)
-
 STEP_COLUMNS = 3 + len(SETTINGS)
 """A decode step's input per slot: token id, position, uniform, then the row's sampling settings."""
 

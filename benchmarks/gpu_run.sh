@@ -60,6 +60,7 @@ BENCHMARKS=(
   "serve_sustained-moe-buckets|320|benchmarks/serve_sustained.py --device cuda --model models/tiny-moe --shape none --servers thread,thread-exact"
   "serve_sustained-default|420|benchmarks/serve_sustained.py --device cuda --servers process"
   "serve_throughput-tiny|200|benchmarks/serve_throughput.py --device cuda --repeats 3 --shape none"
+  "serve_request_cost|150|benchmarks/serve_request_cost.py --device cuda"
   "decode_profile|200|benchmarks/decode_profile.py --device cuda --kv padded,slots,graphs"
 )
 # The limits add up to more than one call's 600 s (tests ~1–2 min, fused_kernel ~20 s, the other

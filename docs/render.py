@@ -761,6 +761,30 @@ def _():
             f"{times(moe['http-process']['over_engine'])} of the engine alone ({n(moe['engine']['tokens_per_s'])} tokens/s).")
 
 
+REQUEST_COST_RUNS = {"benchmarks/results/serve_request_cost.json": "in-process decode",
+                     "benchmarks/results/serve_request_cost-process.json": "engine process"}
+
+
+@block("serve-request-cost")
+def _():
+    """CPU per request of serve-model's processes and of the client, besides the decode."""
+    rows, runs = [], []
+    for path, placement in REQUEST_COST_RUNS.items():
+        data = load(path)
+        runs.append(provenance(path, data["meta"]))
+        for r in data["results"]:
+            engine = r["engine_process_cpu_ms_per_request"]
+            rows.append([placement, r["route"], str(r["max_tokens"]), n(r["burst_wall_ms"]),
+                         n(r["decode_busy_ms_per_request"], 2), bold(n(r["http_side_cpu_ms_per_request"], 2)),
+                         "–" if engine is None else n(engine, 2), bold(n(r["client_cpu_ms_per_request"], 2))])
+    meta = load(next(iter(REQUEST_COST_RUNS)))["meta"]
+    return ("\n\n".join(runs) + f" {meta['model']}, bursts of {meta['batch']} requests from one `openai` client "
+            f"(AsyncOpenAI, this benchmark's process), {meta['bursts']} measured bursts per row after one warm-up.\n\n"
+            + table(["serve-model decoding", "route", "max tokens", "burst ms", "decode busy ms a request",
+                     "**server CPU outside the decode, ms a request**", "engine process CPU ms a request",
+                     "**client CPU ms a request**"], list("lllrrrrr"), rows))
+
+
 SAMPLER = "benchmarks/results/sampler_cpu.json"
 SAMPLER_CUDA = "benchmarks/results/sampler_cpu-cuda.json"
 
